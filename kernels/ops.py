@@ -1,0 +1,96 @@
+"""Device dispatch: the model calls these; CUDA tensors run Triton kernels, others the reference.
+
+CPU tensors take the plain-torch reference, unless the Triton interpreter is on
+(TRITON_INTERPRET=1) and `use_triton_on_cpu(True)` was called: then they run the Triton kernels
+in the interpreter, which is how the tests drive the whole model through the kernels.
+Kernel modules are imported on first use, so the CPU path never imports Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+from kernels._checks import interpreting
+
+_triton_on_cpu = False
+
+
+def use_triton_on_cpu(enabled: bool) -> None:
+    """Route CPU tensors to the Triton kernels (honoured only under TRITON_INTERPRET=1)."""
+    global _triton_on_cpu
+    _triton_on_cpu = enabled
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op on `t` runs the Triton kernel rather than the reference."""
+    if t.is_cuda:
+        return True
+    return _triton_on_cpu and t.device.type == "cpu" and interpreting()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [num_tokens, hidden] -> (normed, x + residual); see reference.rms_norm."""
+    if use_triton(x):
+        from kernels import rms_norm as kernel
+
+        return kernel.rms_norm(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary on [num_tokens, heads, head_dim] query/key; see reference.rotary_embedding."""
+    if use_triton(query):
+        from kernels import rotary as kernel
+
+        return kernel.rotary_embedding(positions, query, key, cos_sin_cache)
+    return reference.rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * d] -> [num_tokens, d]; see reference.silu_and_mul."""
+    if use_triton(x):
+        from kernels import activation as kernel
+
+        return kernel.silu_and_mul(x)
+    return reference.silu_and_mul(x)
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter [num_tokens, kv_heads, head_dim] into the paged cache; see reference."""
+    if use_triton(kv_cache):
+        from kernels import kv_cache as kernel
+
+        return kernel.write_kv_cache(key, value, kv_cache, slot_mapping)
+    return reference.write_kv_cache(key, value, kv_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention against the paged cache; see reference.paged_attention.
+
+    max_query_len / max_seq_len are host-side tiling hints for the Triton kernel.
+    """
+    if use_triton(query):
+        from kernels import paged_attention as kernel
+
+        return kernel.paged_attention(
+            query, kv_cache, query_start_loc, seq_lens, block_table, scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+        )  # fmt: skip
+    return reference.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale)

@@ -1,0 +1,82 @@
+"""Fused residual add + RMSNorm as a Triton kernel; see reference.rms_norm."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check, check_device, check_shape
+
+MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [num_tokens, hidden]
+    residual_ptr,  # [num_tokens, hidden] (unused without HAS_RESIDUAL)
+    weight_ptr,  # [hidden]
+    out_ptr,  # [num_tokens, hidden]
+    residual_out_ptr,  # [num_tokens, hidden]: x + residual
+    hidden,
+    eps,
+    stride_x,
+    stride_residual,
+    stride_out,
+    stride_residual_out,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_RESIDUAL:  # add in fp32, round to x.dtype like torch does
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = (xf * rstd).to(dtype).to(tl.float32) * weight  # normed rounds to x.dtype first
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [num_tokens, hidden]; weight: [hidden] -> (normed, x + residual).
+
+    Without a residual the second result is `x` itself, as in the reference.
+    """
+    check(x, "x", 2)
+    check(weight, "weight", 1)
+    num_tokens, hidden = x.shape
+    check_shape(weight, "weight", (hidden,))
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"hidden size {hidden} > {MAX_HIDDEN}")
+    tensors = [x, weight]
+    if residual is not None:
+        check(residual, "residual", 2, dtypes=(x.dtype,))
+        check_shape(residual, "residual", (num_tokens, hidden))
+        tensors.append(residual)
+    check_device(*tensors)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype, device=x.device)  # [num_tokens, hidden]
+    new_residual = x if residual is None else torch.empty_like(x)  # [num_tokens, hidden]
+    if num_tokens == 0:
+        return out, new_residual
+    res = x if residual is None else residual
+    _rms_norm_kernel[(num_tokens,)](
+        x, res, weight, out, new_residual, hidden, eps,
+        x.stride(0), res.stride(0), out.stride(0), new_residual.stride(0),
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=triton.next_power_of_2(hidden),
+        num_warps=_num_warps(hidden),
+    )  # fmt: skip
+    return out, new_residual
+
+
+def _num_warps(hidden: int) -> int:
+    return min(16, max(1, triton.next_power_of_2(hidden) // 256))

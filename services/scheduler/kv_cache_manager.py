@@ -1,0 +1,104 @@
+"""Per-request KV block bookkeeping with prefix caching by chained block hashes."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from services.scheduler.block_pool import BlockPool, KVBlock
+from services.scheduler.request import Request
+
+_ROOT_HASH = b"skiff-prefix-root"
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
+    """Chained hash of one full block: (parent hash, its tokens, extra keys)."""
+    payload = msgspec.msgpack.encode((parent_hash, token_ids, extra_keys))
+    return hashlib.sha256(payload).digest()
+
+
+class KVCacheManager:
+    """Maps requests to blocks of a BlockPool and keeps full blocks findable by hash."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_hashes: dict[str, list[bytes]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request registered
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found cached
+
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of the request's full blocks, extended incrementally as tokens arrive."""
+        hashes = self.req_block_hashes.setdefault(request.req_id, [])
+        bs = self.block_size
+        while (len(hashes) + 1) * bs <= request.num_tokens:
+            start = len(hashes) * bs
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash_block(parent, request.all_token_ids[start : start + bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request, never covering its last token."""
+        if not self.pool.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in self.block_hashes(request)[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> list[int] | None:
+        """Ensure room for `num_new_tokens` more tokens after the computed ones.
+
+        `computed_blocks` are prefix-cache hits for a request being admitted. Returns the ids of
+        blocks newly added to the request (hits included), or None if the pool is too small.
+        """
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.setdefault(request.req_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_needed = -(-total_tokens // self.block_size) - len(blocks) - len(computed_blocks)
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
+            return None
+        self.pool.touch(computed_blocks)
+        new_blocks = computed_blocks + self.pool.allocate(max(num_needed, 0))
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, blocks, total_tokens)
+        return [b.block_id for b in new_blocks]
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        if not self.pool.enable_caching:
+            return
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(request.req_id, 0)
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(request)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.req_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, keeping their hashes for reuse."""
+        blocks = self.req_blocks.pop(request.req_id, [])
+        self.pool.free(list(reversed(blocks)))
+        self.num_cached_blocks.pop(request.req_id, None)
+
+    def forget(self, request: Request) -> None:
+        """Drop all state of a finished request."""
+        self.free(request)
+        self.req_block_hashes.pop(request.req_id, None)
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request.req_id, [])]

@@ -1,0 +1,66 @@
+"""Scheduler-side request state."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from shared.protocol import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"
+
+
+class Request:
+    """One sequence: prompt, generated tokens and how much of it is in the KV cache."""
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        output_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.output_token_ids: list[int] = list(output_token_ids or [])
+        self.all_token_ids = prompt_token_ids + self.output_token_ids
+        self.priority = priority
+        self.arrival_time = time.monotonic()
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.stop_token_id: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return f"Request({self.req_id}, {self.status.value}, computed={self.num_computed_tokens}/{self.num_tokens})"

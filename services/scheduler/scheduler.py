@@ -1,0 +1,258 @@
+"""Continuous-batching scheduler for one worker: no prefill/decode phases, just catch-up.
+
+Each step every request gets tokens so that its computed tokens catch up with its known
+tokens, within the token budget and the sequence limit; long prompts are thereby chunked.
+Running requests go first; waiting ones are admitted only if nothing was preempted this step.
+When blocks run out the most recently admitted running request is preempted (recompute).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import FinishReason, Request, RequestStatus
+from shared.config import SchedulerConfig
+from shared.protocol import (
+    BatchPlan,
+    CachedRequestData,
+    NewRequestData,
+    SamplerOutput,
+    TokenLogprobs,
+)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request, for the API layer."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, num_blocks: int, eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: list[str] = []  # to tell the worker in the next plan
+        self.step_id = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"duplicate request id {request.req_id!r}")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {request.req_id} has {request.num_tokens} tokens; "
+                f"the limit is {self.max_model_len - 1}"
+            )
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def abort(self, req_ids: list[str]) -> list[Request]:
+        aborted = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                self._finish(request, FinishReason.ABORT)
+                aborted.append(request)
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> BatchPlan:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                budget,
+                self.max_model_len - 1 - request.num_computed_tokens,
+            )
+            if num_new <= 0:
+                i += 1
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new, preempted)
+            if new_block_ids is None:
+                break  # the request preempted itself
+            cached_reqs.append(
+                CachedRequestData(
+                    req_id=request.req_id,
+                    new_block_ids=new_block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            num_scheduled[request.req_id] = num_new
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            budget = self._admit_waiting(budget, num_scheduled, new_reqs, cached_reqs)
+
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        plan = BatchPlan(
+            step_id=self.step_id,
+            new_reqs=new_reqs,
+            cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=[r.req_id for r in preempted],
+        )
+        self.finished_req_ids = []
+        self.step_id += 1
+        return plan
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, preempted: list[Request]
+    ) -> list[int] | None:
+        while True:
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running.pop()  # latest admitted
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _admit_waiting(
+        self,
+        budget: int,
+        num_scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        cached_reqs: list[CachedRequestData],
+    ) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            new_block_ids = self.kv.allocate_slots(request, num_new, hits)
+            if new_block_ids is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if request.status == RequestStatus.PREEMPTED:
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=request.req_id,
+                        new_block_ids=new_block_ids,
+                        num_computed_tokens=num_hit_tokens,
+                        resumed=True,
+                    )
+                )
+            else:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=request.req_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=request.output_token_ids,
+                        sampling_params=request.sampling_params,
+                        block_ids=new_block_ids,
+                        num_computed_tokens=num_hit_tokens,
+                    )
+                )
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.req_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- results -----------------------------------------------------------------------
+
+    def update(self, output: SamplerOutput) -> list[RequestOutput]:
+        """Append sampled tokens, run stop checks, free finished requests."""
+        outputs = []
+        for i, req_id in enumerate(output.req_ids):
+            request = self.requests.get(req_id)
+            token_ids = output.sampled_token_ids[i]
+            prompt_logprobs = output.prompt_logprobs.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            if not token_ids and prompt_logprobs is None:
+                continue
+            new_token_ids = []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request, token_id):
+                    break
+            outputs.append(
+                RequestOutput(
+                    req_id=req_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=request.finish_reason,
+                    stop_token_id=request.stop_token_id,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    logprobs=[output.logprobs[i]] if output.logprobs else [],
+                    prompt_logprobs=prompt_logprobs,
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                self._finish(request, FinishReason.STOP)
+                return True
+            if token_id in params.stop_token_ids:
+                request.stop_token_id = token_id
+                self._finish(request, FinishReason.STOP)
+                return True
+        max_tokens = params.max_tokens
+        if max_tokens is not None and request.num_output_tokens >= max_tokens:
+            self._finish(request, FinishReason.LENGTH)
+            return True
+        if request.num_tokens >= self.max_model_len:
+            self._finish(request, FinishReason.LENGTH)
+            return True
+        return False
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.finished_req_ids.append(request.req_id)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+            if request.status == RequestStatus.PREEMPTED:
+                self.finished_req_ids.append(request.req_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv.forget(request)
+        del self.requests[request.req_id]

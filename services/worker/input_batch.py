@@ -1,0 +1,119 @@
+"""The persistent batch: one row per request held by the worker, in preallocated arrays.
+
+Rows change only by the per-step diff (add, remove, extend the block table, append a sampled
+token); `condense` fills holes left by removed requests so rows stay dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shared.protocol import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """Everything the worker knows about one request, in or out of the batch."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        max_blocks = -(-max_model_len // block_size)
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.req_id_to_index: dict[str, int] = {}
+        self.num_reqs = 0  # rows 0..num_reqs-1 are in use after condense()
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Sampling parameters, gathered by row each step.
+        self.temperature = torch.ones(max_num_reqs)
+        self.top_p = torch.ones(max_num_reqs)
+        self.top_k = torch.zeros(max_num_reqs, dtype=torch.long)  # 0 = off
+        self.min_p = torch.zeros(max_num_reqs)
+        self.seed = torch.full((max_num_reqs,), -1, dtype=torch.long)  # -1 = unseeded
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1 = none requested
+
+    def add_request(self, state: CachedRequestState) -> int:
+        """Append a row; call after `condense` so that rows stay dense."""
+        row = self.num_reqs
+        if row >= self.max_num_reqs:
+            raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} rows)")
+        self.req_ids[row] = state.req_id
+        self.req_id_to_index[state.req_id] = row
+        self.num_reqs += 1
+        tokens = state.prompt_token_ids + state.output_token_ids
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = len(state.prompt_token_ids)
+        self.num_computed_tokens[row] = state.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_block_ids(row, state.block_ids)
+        self._set_sampling(row, state.sampling_params)
+        return row
+
+    def _set_sampling(self, row: int, params: SamplingParams) -> None:
+        self.temperature[row] = params.temperature
+        self.top_p[row] = params.top_p
+        self.top_k[row] = max(params.top_k, 0)
+        self.min_p[row] = params.min_p
+        self.seed[row] = -1 if params.seed is None else params.seed
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_token(self, row: int, token_id: int) -> None:
+        self.token_ids[row, self.num_tokens[row]] = token_id
+        self.num_tokens[row] += 1
+
+    def remove_request(self, req_id: str) -> None:
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is not None:
+            self.req_ids[row] = None
+
+    def condense(self) -> None:
+        """Move the last rows into holes so that rows 0..num_reqs-1 are all occupied."""
+        num_reqs = len(self.req_id_to_index)
+        last = self.num_reqs - 1
+        for hole in range(num_reqs):
+            if self.req_ids[hole] is not None:
+                continue
+            while self.req_ids[last] is None:
+                last -= 1
+            self._move(last, hole)
+            last -= 1
+        self.num_reqs = num_reqs
+
+    def _move(self, src: int, dst: int) -> None:
+        req_id = self.req_ids[src]
+        self.req_ids[dst], self.req_ids[src] = req_id, None
+        self.req_id_to_index[req_id] = dst
+        n = self.num_tokens[src]
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
+                    self.num_blocks, self.num_logprobs):
+            arr[dst] = arr[src]
+        self.block_table[dst, : self.num_blocks[src]] = self.block_table[src, : self.num_blocks[src]]
+        for t in (self.temperature, self.top_p, self.top_k, self.min_p, self.seed):
+            t[dst] = t[src]

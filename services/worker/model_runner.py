@@ -1,0 +1,188 @@
+"""Model runner: applies each BatchPlan's diff to the persistent batch, prepares the step's
+tensors, runs the model and the sampler, and writes sampled tokens back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.worker.attention import AttentionMetadata, get_attention_backend
+from services.worker.input_batch import CachedRequestState, InputBatch
+from services.worker.loader import load_model
+from services.worker.model_config import ModelConfig
+from services.worker.sampler import Sampler, SamplerResult, SamplingMetadata
+from shared.protocol import BatchPlan, SamplerOutput, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_dir: str
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]  # scheduled requests, in query order
+    rows: np.ndarray  # [num_reqs] their batch rows
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling] query row of each sampling request's last token
+    sampling: np.ndarray  # [num_reqs] bool: request reached the end of its known tokens
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        dtype = getattr(torch, config.dtype)
+        self.model = load_model(
+            config.model_dir, get_attention_backend(self.device), self.device, dtype,
+            self.max_model_len,
+        )
+        mc = self.model_config
+        # One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        shape = (2, config.num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_hidden_layers)
+        ]
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+
+    # ---- the step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: BatchPlan) -> SamplerOutput:
+        self._update_states(plan)
+        if not plan.num_scheduled_tokens:
+            return SamplerOutput(step_id=plan.step_id)
+        inputs = self._prepare_inputs(plan)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
+        sampling_rows = inputs.rows[inputs.sampling]
+        result = self.sampler(logits, self._sampling_metadata(sampling_rows))
+        return self._write_back(plan.step_id, inputs, sampling_rows, result)
+
+    def _update_states(self, plan: BatchPlan) -> None:
+        for req_id in plan.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.batch.remove_request(req_id)
+        for req_id in plan.preempted_req_ids:
+            self.batch.remove_request(req_id)
+        self.batch.condense()
+        for new in plan.new_reqs:
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=list(new.output_token_ids),
+            )
+            self.requests[new.req_id] = state
+            self.batch.add_request(state)
+        for cached in plan.cached_reqs:
+            state = self.requests[cached.req_id]
+            state.num_computed_tokens = cached.num_computed_tokens
+            if cached.resumed:
+                state.block_ids = list(cached.new_block_ids)
+                self.batch.add_request(state)
+                continue
+            state.block_ids.extend(cached.new_block_ids)
+            row = self.batch.req_id_to_index[cached.req_id]
+            self.batch.append_block_ids(row, cached.new_block_ids)
+            self.batch.num_computed_tokens[row] = cached.num_computed_tokens
+
+    def _prepare_inputs(self, plan: BatchPlan) -> StepInputs:
+        batch, bs = self.batch, self.config.block_size
+        req_ids = list(plan.num_scheduled_tokens)
+        rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), np.int64, len(req_ids))
+        num_sched = np.fromiter(plan.num_scheduled_tokens.values(), np.int64, len(req_ids))
+        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        token_req = np.repeat(np.arange(len(req_ids)), num_sched)  # [num_tokens]
+        token_rows = rows[token_req]
+        positions = (
+            batch.num_computed_tokens[token_rows] + np.arange(num_tokens) - query_start_loc[token_req]
+        )
+        input_ids = batch.token_ids[token_rows, positions]
+        slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
+        seq_lens = batch.num_computed_tokens[rows] + num_sched
+        max_blocks = int(batch.num_blocks[rows].max())
+        sampling = seq_lens >= batch.num_tokens[rows]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev, torch.int32),
+            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
+            block_table=torch.from_numpy(batch.block_table[rows, :max_blocks]).to(dev, torch.int32),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=num_sched.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        batch.num_computed_tokens[rows] = seq_lens
+        return StepInputs(
+            req_ids=req_ids,
+            rows=rows,
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            meta=meta,
+            logits_indices=torch.from_numpy(query_start_loc[1:][sampling] - 1).to(dev),
+            sampling=sampling,
+        )
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        batch, idx = self.batch, torch.from_numpy(rows)
+        return SamplingMetadata(
+            temperature=batch.temperature[idx],
+            top_k=batch.top_k[idx],
+            top_p=batch.top_p[idx],
+            min_p=batch.min_p[idx],
+            seeds=batch.seed[idx],
+            output_positions=torch.from_numpy(batch.num_tokens[rows] - batch.num_prompt_tokens[rows]),
+            num_logprobs=batch.num_logprobs[rows].tolist(),
+        )
+
+    def _write_back(
+        self, step_id: int, inputs: StepInputs, sampling_rows: np.ndarray, result: SamplerResult
+    ) -> SamplerOutput:
+        sampled = result.sampled_token_ids.tolist()
+        per_req: list[list[int]] = [[] for _ in inputs.req_ids]
+        logprobs: list[TokenLogprobs | None] = [None] * len(inputs.req_ids)
+        lp_rows = self._logprobs_lists(result, sampling_rows)
+        for j, i in enumerate(np.flatnonzero(inputs.sampling).tolist()):
+            token = sampled[j]
+            self.batch.append_token(int(sampling_rows[j]), token)
+            self.requests[inputs.req_ids[i]].output_token_ids.append(token)
+            per_req[i] = [token]
+            logprobs[i] = lp_rows[j]
+        return SamplerOutput(
+            step_id=step_id,
+            req_ids=inputs.req_ids,
+            sampled_token_ids=per_req,
+            logprobs=logprobs if result.logprobs is not None else [],
+        )
+
+    def _logprobs_lists(
+        self, result: SamplerResult, rows: np.ndarray
+    ) -> list[TokenLogprobs | None]:
+        if result.logprobs is None:
+            return [None] * len(rows)
+        ids, values = result.logprob_token_ids.tolist(), result.logprobs.tolist()
+        ranks, wanted = result.sampled_ranks.tolist(), self.batch.num_logprobs[rows].tolist()
+        return [
+            TokenLogprobs(ids[j][: k + 1], values[j][: k + 1], ranks[j]) if k >= 0 else None
+            for j, k in enumerate(wanted)
+        ]

@@ -1,0 +1,6 @@
+"""The sampler: logits of the batch's sampling rows -> next tokens (+ logprobs)."""
+
+from services.worker.sampler.metadata import SamplingMetadata
+from services.worker.sampler.sampler import Sampler, SamplerResult
+
+__all__ = ["Sampler", "SamplerResult", "SamplingMetadata"]

@@ -1,0 +1,122 @@
+"""Typed wire messages between gateway, scheduler and worker (MessagePack via msgspec).
+
+Every message is a `msgspec.Struct` with a `version` tag so that a service can refuse a
+message from an incompatible peer instead of misreading it. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Per-request sampling parameters (vLLM names and defaults).
+
+    `top_k` of -1 (or 0) disables top-k; `max_tokens` of None means "up to the context length".
+    Range checks live in `shared.sampling_validation`; this struct only carries values.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+class NewRequestData(msgspec.Struct, kw_only=True):
+    """A request the worker does not hold yet, sent in full.
+
+    `output_token_ids` is non-empty only for a request that moves to this worker (or is
+    resubmitted) after it already generated tokens; those tokens are part of the context.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = []
+
+
+class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
+    """Diff for a request the worker already holds.
+
+    `resumed` means the request was preempted earlier: `new_block_ids` replace its block table
+    row instead of extending it.
+    """
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    resumed: bool = False
+
+
+class BatchPlan(msgspec.Struct, kw_only=True):
+    """One step's schedule for one worker (vLLM's SchedulerOutput)."""
+
+    step_id: int
+    new_reqs: list[NewRequestData] = []
+    cached_reqs: list[CachedRequestData] = []
+    num_scheduled_tokens: dict[str, int] = {}
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: list[str] = []
+    preempted_req_ids: list[str] = []
+    version: int = PROTOCOL_VERSION
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one position: the chosen token first, then the top alternatives.
+
+    `rank` is the 1-based rank of the chosen token among all tokens.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+class SamplerOutput(msgspec.Struct, kw_only=True):
+    """One step's result from a worker (vLLM's ModelRunnerOutput), plain lists only.
+
+    `sampled_token_ids[i]` is empty for a request whose prefill chunk did not reach the end of
+    its known tokens this step, else holds the one new token.
+    """
+
+    step_id: int
+    worker_id: str = ""
+    req_ids: list[str] = []
+    sampled_token_ids: list[list[int]] = []
+    logprobs: list[TokenLogprobs | None] = []
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+    version: int = PROTOCOL_VERSION
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decoder(cls: type[msgspec.Struct]) -> msgspec.msgpack.Decoder:
+    """A reusable typed decoder for one message class."""
+    return msgspec.msgpack.Decoder(cls)
