@@ -120,3 +120,88 @@ def encode(msg: msgspec.Struct) -> bytes:
 def decoder(cls: type[msgspec.Struct]) -> msgspec.msgpack.Decoder:
     """A reusable typed decoder for one message class."""
     return msgspec.msgpack.Decoder(cls)
+
+
+# ---- gateway <-> scheduler ----------------------------------------------------------------
+
+
+class SubmitRequest(msgspec.Struct, kw_only=True):
+    """A new request (or the continuation of one after a scheduler restart).
+
+    `output_token_ids` holds tokens already streamed to the client; they count as context and
+    toward max_tokens.
+    """
+
+    req_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    output_token_ids: list[int] = []
+    priority: int = 0
+    version: int = PROTOCOL_VERSION
+
+
+class SubmitReply(msgspec.Struct, kw_only=True):
+    """Accept, or reject with an HTTP-like status (400 bad request, 429 queue full, 503 not
+    ready) and a message meant for the API client."""
+
+    accepted: bool
+    status: int = 200
+    message: str = ""
+    version: int = PROTOCOL_VERSION
+
+
+class AbortRequests(msgspec.Struct, kw_only=True):
+    req_ids: list[str]
+    version: int = PROTOCOL_VERSION
+
+
+class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """New tokens of one request from one step. `finish_reason` is "stop", "length" or
+    "abort" on the last delta; `stop_token_id` is set when a stop token ended it."""
+
+    req_id: str
+    new_token_ids: list[int] = []
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs | None] = []
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+class OutputBatch(msgspec.Struct, kw_only=True):
+    """Per-step deltas for the requests of one gateway, on `<prefix>.out.<gateway_id>`."""
+
+    deltas: list[TokenDelta]
+    scheduler_epoch: str = ""
+    version: int = PROTOCOL_VERSION
+
+
+class SchedulerHeartbeat(msgspec.Struct, kw_only=True):
+    """Published periodically; a new `epoch` means the scheduler restarted."""
+
+    epoch: str
+    num_ready_workers: int
+    model: str = ""
+    max_model_len: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    version: int = PROTOCOL_VERSION
+
+
+# ---- worker <-> scheduler -----------------------------------------------------------------
+
+
+class WorkerHello(msgspec.Struct, kw_only=True):
+    """A worker announcing itself (also sent as its periodic heartbeat)."""
+
+    worker_id: str
+    model: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    device: str
+    vocab_size: int
+    eos_token_ids: list[int] = []
+    version: int = PROTOCOL_VERSION
