@@ -1,9 +1,9 @@
 """vLLM's offline interface: scheduler and worker in one process, talking in wire messages.
 
-    from services.offline import LLM, SamplingParams
-    llm = LLM()  # the embedded SmolLM2-135M-Instruct
-    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
-    print(out[0].outputs[0].text)
+from services.offline import LLM, SamplingParams
+llm = LLM()  # the embedded SmolLM2-135M-Instruct
+out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+print(out[0].outputs[0].text)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from shared.config import SchedulerConfig
 from shared.protocol import BatchPlan, SamplerOutput, SamplingParams, TokenLogprobs, decoder, encode
 from shared.tokenizer import Tokenizer
 
-__all__ = ["LLM", "SamplingParams", "CompletionOutput", "GenerationOutput"]
+__all__ = ["LLM", "CompletionOutput", "GenerationOutput", "SamplingParams"]
 
 
 @dataclass
@@ -44,12 +44,18 @@ class GenerationOutput:
     finished: bool = False
 
 
-def kv_cache_blocks(runner_dims: tuple[int, int, int], block_size: int, gib: float,
-                    dtype_bytes: int) -> int:
+def kv_cache_blocks(
+    runner_dims: tuple[int, int, int], block_size: int, gib: float, dtype_bytes: int
+) -> int:
     """Number of KV blocks that fit in `gib` for (layers, kv_heads, head_dim)."""
     layers, kv_heads, head_dim = runner_dims
     per_block = 2 * layers * block_size * kv_heads * head_dim * dtype_bytes
     return max(1, int(gib * 2**30) // per_block)
+
+
+def eos_ids(mc) -> tuple[int, ...]:
+    """All token ids that end generation for this model."""
+    return () if mc.eos_token_id is None else (mc.eos_token_id, *mc.extra_eos_token_ids)
 
 
 class LLM:
@@ -79,18 +85,27 @@ class LLM:
             dims = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
             dtype_bytes = 2 if dtype in ("float16", "bfloat16") else 4
             num_blocks = kv_cache_blocks(dims, block_size, kv_cache_gib, dtype_bytes)
-        self.runner = ModelRunner(RunnerConfig(
-            model_dir=str(model), block_size=block_size, num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len, device=device, dtype=dtype,
-        ))
+        self.runner = ModelRunner(
+            RunnerConfig(
+                model_dir=str(model),
+                block_size=block_size,
+                num_blocks=num_blocks,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                device=device,
+                dtype=dtype,
+            )
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                max_model_len=self.runner.max_model_len, block_size=block_size,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=self.runner.max_model_len,
+                block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,
             ),
             num_blocks,
-            eos_token_ids=(mc.eos_token_id, *mc.extra_eos_token_ids) if mc.eos_token_id is not None else (),
+            eos_token_ids=eos_ids(mc),
         )
         self.tokenizer = Tokenizer(model)
         self.serialize_messages = serialize_messages
@@ -116,8 +131,9 @@ class LLM:
             parent = f"gen-{next(self._ids)}"
             results[parent] = GenerationOutput(parent, text, token_ids, [])
             for i in range(p.n):
-                child_params = p if p.seed is None or i == 0 else msgspec.structs.replace(
-                    p, seed=p.seed + i)
+                child_params = (
+                    p if p.seed is None or i == 0 else msgspec.structs.replace(p, seed=p.seed + i)
+                )
                 child = f"{parent}-{i}"
                 children[child] = (parent, i)
                 results[parent].outputs.append(CompletionOutput(i, "", []))

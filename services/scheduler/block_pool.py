@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_hash", "block_id", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

@@ -15,7 +15,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"
@@ -63,4 +63,5 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
-        return f"Request({self.req_id}, {self.status.value}, computed={self.num_computed_tokens}/{self.num_tokens})"
+        progress = f"{self.num_computed_tokens}/{self.num_tokens}"
+        return f"Request({self.req_id}, {self.status.value}, computed={progress})"

@@ -111,9 +111,15 @@ class InputBatch:
         self.req_id_to_index[req_id] = dst
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
-        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                    self.num_blocks, self.num_logprobs):
+        for arr in (
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_computed_tokens,
+            self.num_blocks,
+            self.num_logprobs,
+        ):
             arr[dst] = arr[src]
-        self.block_table[dst, : self.num_blocks[src]] = self.block_table[src, : self.num_blocks[src]]
+        nb = self.num_blocks[src]
+        self.block_table[dst, :nb] = self.block_table[src, :nb]
         for t in (self.temperature, self.top_p, self.top_k, self.min_p, self.seed):
             t[dst] = t[src]

@@ -33,7 +33,8 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     with ExitStack() as stack:
         for path in files:
             handle = stack.enter_context(safe_open(str(path), framework="pt"))
-            for name in handle.keys():
+            names = handle.keys()  # a safe_open handle is not iterable
+            for name in names:
                 yield name, handle.get_tensor(name)
 
 
@@ -81,9 +82,10 @@ def load_model(
     expected = set(model.state_dict().keys())
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
-        raise ValueError(f"checkpoint mismatch: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
+        raise ValueError(
+            f"checkpoint mismatch: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
     model.load_state_dict(state, assign=True, strict=False)
     model.cos_sin_cache = rotary_cos_sin_cache(config, max_positions).to(device)
     return model.eval().requires_grad_(False)
-

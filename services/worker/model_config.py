@@ -53,8 +53,9 @@ class ModelConfig:
             )
         family = SUPPORTED_ARCHITECTURES[architecture]
         rope = raw.get("rope_parameters") or {}
-        rope_scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type") not in
-                                                    (None, "default") else None)
+        rope_scaling = raw.get("rope_scaling") or (
+            rope if rope.get("rope_type") not in (None, "default") else None
+        )
         heads = raw["num_attention_heads"]
         eos_ids = _eos_ids(model_dir, raw)
         return cls(

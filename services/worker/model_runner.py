@@ -46,7 +46,10 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         dtype = getattr(torch, config.dtype)
         self.model = load_model(
-            config.model_dir, get_attention_backend(self.device), self.device, dtype,
+            config.model_dir,
+            get_attention_backend(self.device),
+            self.device,
+            dtype,
             self.max_model_len,
         )
         mc = self.model_config
@@ -58,6 +61,7 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.num_tokens_computed = 0  # all tokens run through the model so far
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -67,6 +71,7 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             return SamplerOutput(step_id=plan.step_id)
         inputs = self._prepare_inputs(plan)
+        self.num_tokens_computed += len(inputs.positions)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
         sampling_rows = inputs.rows[inputs.sampling]
@@ -114,7 +119,9 @@ class ModelRunner:
         token_req = np.repeat(np.arange(len(req_ids)), num_sched)  # [num_tokens]
         token_rows = rows[token_req]
         positions = (
-            batch.num_computed_tokens[token_rows] + np.arange(num_tokens) - query_start_loc[token_req]
+            batch.num_computed_tokens[token_rows]
+            + np.arange(num_tokens)
+            - query_start_loc[token_req]
         )
         input_ids = batch.token_ids[token_rows, positions]
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
@@ -151,7 +158,9 @@ class ModelRunner:
             top_p=batch.top_p[idx],
             min_p=batch.min_p[idx],
             seeds=batch.seed[idx],
-            output_positions=torch.from_numpy(batch.num_tokens[rows] - batch.num_prompt_tokens[rows]),
+            output_positions=torch.from_numpy(
+                batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+            ),
             num_logprobs=batch.num_logprobs[rows].tolist(),
         )
 

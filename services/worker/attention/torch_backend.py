@@ -30,9 +30,14 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
     dec_seq_lens = meta.seq_lens[decode_idx]
     mask = torch.arange(max_dec_blocks * block_size) < dec_seq_lens.unsqueeze(1)
     prefills = [
-        (starts[i], starts[i + 1], seq_lens[i],
-         meta.block_table[i, : -(-seq_lens[i] // block_size)].long())
-        for i, n in enumerate(q_lens) if n > 1
+        (
+            starts[i],
+            starts[i + 1],
+            seq_lens[i],
+            meta.block_table[i, : -(-seq_lens[i] // block_size)].long(),
+        )
+        for i, n in enumerate(q_lens)
+        if n > 1
     ]
     return _StepPlan(
         decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long),
@@ -73,8 +78,12 @@ class TorchAttentionBackend:
         k = kv_cache[0][plan.decode_blocks].view(num_decodes, -1, *kv_cache.shape[-2:])
         v = kv_cache[1][plan.decode_blocks].view(num_decodes, -1, *kv_cache.shape[-2:])
         out = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=plan.decode_mask, scale=scale, enable_gqa=True,
+            q,
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=plan.decode_mask,
+            scale=scale,
+            enable_gqa=True,
         )
         return out.squeeze(2)  # [num_decodes, num_heads, head_dim]
 
@@ -89,7 +98,12 @@ class TorchAttentionBackend:
             q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
             causal, mask = False, torch.arange(seq_len).unsqueeze(0) <= q_pos
         out = F.scaled_dot_product_attention(
-            query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+            query.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
         )
         return out.transpose(0, 1)  # [q_len, num_heads, head_dim]

@@ -63,10 +63,14 @@ class DecoderForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin_cache)
+            hidden, residual = layer(
+                positions, hidden, residual, kv_cache, meta, self.cos_sin_cache
+            )
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_reqs, hidden_size] -> logits [num_reqs, vocab_size]."""
-        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        weight = (
+            self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        )
         return F.linear(hidden, weight)

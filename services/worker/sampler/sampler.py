@@ -72,7 +72,9 @@ class Sampler:
     ) -> None:
         sampled_lp = logprobs.gather(1, sampled.unsqueeze(1))  # [num_reqs, 1]
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], sampled[:0])
-        result.logprob_token_ids = torch.cat((sampled.unsqueeze(1), top_ids.view(len(sampled), -1)), 1)
+        result.logprob_token_ids = torch.cat(
+            (sampled.unsqueeze(1), top_ids.view(len(sampled), -1)), 1
+        )
         result.logprobs = torch.cat((sampled_lp, top_lp), dim=1)
         result.sampled_ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
 
@@ -89,7 +91,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Keep the k most likely tokens (k=0: all), then the smallest set whose mass reaches p."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]

@@ -1,0 +1,75 @@
+"""Shared fixtures: the embedded default model and tiny random models made on the spot."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from services.worker.gguf_convert import ensure_default_model
+
+    return ensure_default_model(progress=False)
+
+
+def make_tiny_model(path: Path, architecture: str, **overrides) -> Path:
+    """Save a randomly initialised transformers model of the given architecture."""
+    import torch
+    import transformers
+
+    base = dict(
+        vocab_size=211,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=1,
+        bos_token_id=0,
+    )
+    base.update(overrides)
+    config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    model_cls = getattr(transformers, architecture)
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**base)).float().eval()
+    with torch.no_grad():  # random norms/biases so that every weight matters
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == [architecture]
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": make_tiny_model(root / "llama", "LlamaForCausalLM"),
+        "llama3-scaled": make_tiny_model(
+            root / "llama3",
+            "LlamaForCausalLM",
+            tie_word_embeddings=True,
+            head_dim=32,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        "mistral": make_tiny_model(root / "mistral", "MistralForCausalLM"),
+        "qwen2": make_tiny_model(root / "qwen2", "Qwen2ForCausalLM"),
+        "qwen3": make_tiny_model(root / "qwen3", "Qwen3ForCausalLM", head_dim=16),
+    }
