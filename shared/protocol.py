@@ -80,6 +80,7 @@ class BatchPlan(msgspec.Struct, kw_only=True):
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
+    scheduler_epoch: str = ""  # a new epoch tells the worker to drop all request state
     version: int = PROTOCOL_VERSION
 
 
@@ -197,6 +198,7 @@ class WorkerHello(msgspec.Struct, kw_only=True):
     """A worker announcing itself (also sent as its periodic heartbeat)."""
 
     worker_id: str
+    instance_id: str  # new on every process start: a restarted worker lost its KV cache
     model: str
     block_size: int
     num_blocks: int

@@ -18,6 +18,15 @@ def hash_block(parent_hash: bytes, token_ids: list[int], extra_keys: tuple = ())
     return hashlib.sha256(payload).digest()
 
 
+def chain_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """Chained hashes of every full block of `token_ids`."""
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        hashes.append(hash_block(parent, token_ids[start : start + block_size]))
+    return hashes
+
+
 class KVCacheManager:
     """Maps requests to blocks of a BlockPool and keeps full blocks findable by hash."""
 
@@ -39,6 +48,13 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else _ROOT_HASH
             hashes.append(hash_block(parent, request.all_token_ids[start : start + bs]))
         return hashes
+
+    def num_cached_blocks_of(self, block_hashes: list[bytes]) -> int:
+        """Length of the cached run at the start of `block_hashes` (no side effects)."""
+        for i, block_hash in enumerate(block_hashes):
+            if self.pool.get_cached_block(block_hash) is None:
+                return i
+        return len(block_hashes)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request, never covering its last token."""

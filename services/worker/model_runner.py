@@ -63,6 +63,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_tokens_computed = 0  # all tokens run through the model so far
 
+    def reset(self) -> None:
+        """Forget every request (the scheduler that placed them is gone)."""
+        self.requests.clear()
+        self.batch = InputBatch(
+            self.config.max_num_seqs, self.max_model_len, self.config.block_size
+        )
+
     # ---- the step ----------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -1,0 +1,107 @@
+"""The `skiff` command: `serve` runs a whole local stack; `gateway`, `scheduler` and `worker`
+run one service each (that is how the containers run them)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+
+def serve(argv: list[str]) -> int:
+    from services.launcher import Stack, StackConfig, StartupError
+    from shared.cli_args import env_default
+    from shared.default_model import DEFAULT_MODEL_NAME
+
+    p = argparse.ArgumentParser(prog="skiff serve", description="Run the whole stack locally.")
+    p.add_argument("--model", default=env_default("model", None))
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=env_default("port", 8000, int))
+    p.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--api-key", default=env_default("api_key", None))
+    args = p.parse_args(argv)
+
+    model = args.model
+    if model is None:
+        from services.worker.gguf_convert import ensure_default_model
+
+        print("preparing the embedded default model (first run only)...", flush=True)
+        model = str(ensure_default_model())
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
+    stack = Stack(
+        StackConfig(
+            model_dir=model,
+            served_model_name=name,
+            host=args.host,
+            port=args.port,
+            nats_url=args.nats_url,
+            num_workers=args.workers,
+            kv_cache_gib=args.kv_cache_gib,
+            max_model_len=args.max_model_len,
+            api_key=args.api_key,
+        )
+    )
+    stopping = False
+
+    def on_signal(_sig, _frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        stack.start(progress=lambda msg: print(f"skiff: {msg}", flush=True))
+    except (StartupError, FileNotFoundError) as exc:
+        print(f"skiff: failed to start: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(
+        f"\nskiff is serving {name} at {stack.url}/v1\n"
+        f"try:\n  curl {stack.url}/v1/completions -H 'Content-Type: application/json' \\\n"
+        f'    -d \'{{"model": "{name}", "prompt": "Hello, my name is", '
+        f'"max_tokens": 16}}\'\n\nCtrl-C stops everything.',
+        flush=True,
+    )
+    code = 0
+    try:
+        while not stopping:
+            stack.check_alive()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    except StartupError as exc:
+        print(f"skiff: {exc}; stopping", file=sys.stderr)
+        code = 1
+    print("skiff: stopping...", flush=True)
+    stack.stop()
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = ("serve", "gateway", "scheduler", "worker")
+    if not argv or argv[0] not in commands:
+        print(
+            f"usage: skiff {{{','.join(commands)}}} [options]  (skiff COMMAND --help)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        sys.exit(serve(rest))
+    if command == "gateway":
+        from services.gateway.main import main as run
+    elif command == "scheduler":
+        from services.scheduler.main import main as run
+    else:
+        from services.worker.main import main as run
+    run(rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Prometheus metrics of the scheduler, under vLLM's names where the meaning is the same."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SIZE_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
+
+
+class SchedulerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests in model execution batches.", labels, registry=r
+        ).labels(model_name)
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be processed.", labels, registry=r
+        ).labels(model_name)
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.", labels, registry=r
+        ).labels(model_name)
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", labels, registry=r
+        ).labels(model_name)
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", labels, registry=r
+        ).labels(model_name)
+        self.preemptions = Counter(
+            "vllm:num_preemptions", "Cumulative preemptions.", labels, registry=r
+        ).labels(model_name)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time requests spent waiting before first scheduled.",
+            labels,
+            registry=r,
+        ).labels(model_name)
+        self.workers_ready = Gauge("skiff_workers_ready", "Workers sending heartbeats.", registry=r)
+        self.migrations = Counter(
+            "skiff_request_migrations", "Requests moved off a lost worker.", registry=r
+        )
+        self.step_seconds = Histogram(
+            "skiff_step_round_trip_seconds",
+            "Plan published to result received, per worker step.",
+            ["worker_id"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.schedule_seconds = Histogram(
+            "skiff_schedule_seconds",
+            "CPU time of one schedule() + update() pair.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.plan_bytes = Histogram(
+            "skiff_plan_bytes", "Encoded BatchPlan size.", buckets=SIZE_BUCKETS, registry=r
+        )
+        self.rejected = Counter(
+            "skiff_requests_rejected", "Submissions rejected.", ["reason"], registry=r
+        )

@@ -1,0 +1,138 @@
+"""The worker service: owns one device, announces itself, executes plans exactly, in order."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgspec
+from nats.aio.msg import Msg
+
+from services.worker.model_runner import ModelRunner, RunnerConfig
+from shared import bus
+from shared.protocol import BatchPlan, WorkerHello, decoder, encode
+from shared.subjects import Subjects
+
+log = logging.getLogger("skiff.worker")
+
+
+@dataclass(frozen=True)
+class WorkerServiceConfig:
+    nats_url: str = "nats://127.0.0.1:4222"
+    subject_prefix: str = "skiff"
+    worker_id: str = "worker-0"
+    model_name: str = ""
+    heartbeat_interval_s: float = 1.0
+
+
+class WorkerService:
+    def __init__(self, config: WorkerServiceConfig, runner: ModelRunner) -> None:
+        self.config = config
+        self.runner = runner
+        self.subjects = Subjects(config.subject_prefix)
+        self.instance_id = uuid.uuid4().hex
+        self.scheduler_epoch = ""
+        # One thread: plans run strictly in arrival order, heartbeats go on meanwhile.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
+        self._plans: asyncio.Queue[BatchPlan] = asyncio.Queue()
+        self._decode_plan = decoder(BatchPlan)
+        self._tasks: list[asyncio.Task] = []
+
+    def hello(self) -> WorkerHello:
+        r, mc = self.runner, self.runner.model_config
+        eos = [] if mc.eos_token_id is None else [mc.eos_token_id, *mc.extra_eos_token_ids]
+        return WorkerHello(
+            worker_id=self.config.worker_id,
+            instance_id=self.instance_id,
+            model=self.config.model_name,
+            block_size=r.config.block_size,
+            num_blocks=r.config.num_blocks,
+            max_model_len=r.max_model_len,
+            device=str(r.device),
+            vocab_size=mc.vocab_size,
+            eos_token_ids=eos,
+        )
+
+    async def start(self) -> None:
+        self.nc = await bus.connect(self.config.nats_url, f"skiff-{self.config.worker_id}")
+        await bus.subscribe(self.nc, self.subjects.plan(self.config.worker_id), self._on_plan)
+        await self.nc.publish(self.subjects.worker_hello, encode(self.hello()))
+        self._tasks = [
+            asyncio.create_task(self._heartbeat()),
+            asyncio.create_task(self._execute_loop()),
+        ]
+        log.info("worker %s up: %d KV blocks", self.config.worker_id, self.runner.config.num_blocks)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.nc.drain()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _on_plan(self, payload: bytes, _msg: Msg) -> None:
+        try:
+            plan = self._decode_plan.decode(payload)
+        except msgspec.DecodeError:
+            log.error("dropping a malformed plan")
+            return
+        await self._plans.put(plan)
+
+    async def _execute_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            plan = await self._plans.get()
+            if plan.scheduler_epoch != self.scheduler_epoch:
+                if self.scheduler_epoch:
+                    log.warning("new scheduler epoch: dropping all request state")
+                self.scheduler_epoch = plan.scheduler_epoch
+                await loop.run_in_executor(self.executor, self.runner.reset)
+            try:
+                output = await loop.run_in_executor(self.executor, self.runner.execute, plan)
+            except Exception:
+                # Come back as a new instance: the scheduler re-places our requests elsewhere
+                # (or here, from scratch) instead of waiting for a result that never comes.
+                log.exception("step %d failed; dropping all request state", plan.step_id)
+                await loop.run_in_executor(self.executor, self.runner.reset)
+                self.instance_id = uuid.uuid4().hex
+                await self.nc.publish(self.subjects.worker_hello, encode(self.hello()))
+                continue
+            output.worker_id = self.config.worker_id
+            await bus.publish(self.nc, self.subjects.result, encode(output))
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            if self.nc.is_connected:
+                await self.nc.publish(self.subjects.worker_heartbeat, encode(self.hello()))
+
+
+def build_runner(
+    model_dir: str,
+    kv_cache_gib: float,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    device: str,
+    dtype: str,
+) -> ModelRunner:
+    from services.offline import kv_cache_blocks
+    from services.worker.model_config import ModelConfig
+
+    mc = ModelConfig.from_dir(model_dir)
+    dims = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+    dtype_bytes = 2 if dtype in ("float16", "bfloat16") else 4
+    num_blocks = kv_cache_blocks(dims, block_size, kv_cache_gib, dtype_bytes)
+    return ModelRunner(
+        RunnerConfig(
+            model_dir=model_dir,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            device=device,
+            dtype=dtype,
+        )
+    )
