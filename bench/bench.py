@@ -1,0 +1,153 @@
+"""`make bench`: skiff against transformers `generate` on DESIGN.md's reference workload.
+
+Peers run side by side in this one process and are reported as ratios, never against a fixed
+number: the machine is shared and noisy. Sections: the offline engine vs transformers static
+batches, single-request decode speed, and (with --served) the HTTP path through a real stack.
+The last line is `throughput ratio vs transformers: X.XX`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.workload import reference_workload, token_prompts  # noqa: E402
+from services.offline import LLM, SamplingParams  # noqa: E402
+
+
+def hf_static_batches(model, prompts, outputs, batch_size: int, pad_id: int) -> float:
+    """Seconds to serve all requests with static batches of `batch_size`, left-padded; each
+    batch runs until its longest requested output. Only requested tokens count as useful."""
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        chunk, wants = prompts[i : i + batch_size], outputs[i : i + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max(wants),
+                min_new_tokens=max(wants),
+                pad_token_id=pad_id,
+            )
+    return time.perf_counter() - start
+
+
+def engine_run(llm: LLM, prompts, outputs) -> tuple[float, int]:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(r.outputs[0].token_ids) for r in results)
+
+
+def single_decode(llm: LLM, hf_model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """Output tokens/s of one request alone (prefill included, short prompt)."""
+    t_engine, n = engine_run(llm, [prompt], [new_tokens])
+    ids = torch.tensor([prompt])
+    start = time.perf_counter()
+    with torch.no_grad():
+        hf_model.generate(
+            input_ids=ids,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+    t_hf = time.perf_counter() - start
+    return n / t_engine, new_tokens / t_hf
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--hf-batch-sizes", default="1,8,32")
+    p.add_argument(
+        "--hf-batch1-requests",
+        type=int,
+        default=8,
+        help="batch 1 is slow: time it on this many requests (a rate, so comparable)",
+    )
+    p.add_argument("--served", action="store_true", help="also run the HTTP path (issue 3)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu.json"))
+    args = p.parse_args()
+    torch.manual_seed(0)
+
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM()
+    model_dir = llm.runner.config.model_dir
+    prompts, outputs = reference_workload(llm.tokenizer, args.requests)
+    useful = sum(outputs)
+    print(
+        f"workload: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
+        f"output tokens {useful}, torch threads {torch.get_num_threads()}"
+    )
+    engine_run(llm, prompts[:2], [4, 4])  # warm-up
+    rows: list[tuple[str, float]] = []
+    t, n = engine_run(llm, prompts, outputs)
+    assert n == useful, (n, useful)
+    rows.append(("skiff LLM.generate", useful / t))
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad_id = llm.tokenizer.eos_token_id or 0
+    hf_rates = {}
+    for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
+        count = args.hf_batch1_requests if bs == 1 else len(prompts)
+        t = hf_static_batches(hf, prompts[:count], outputs[:count], bs, pad_id)
+        hf_rates[bs] = sum(outputs[:count]) / t
+        rows.append(
+            (
+                f"transformers generate, static batch {bs}"
+                + (f" ({count} requests)" if count != len(prompts) else ""),
+                hf_rates[bs],
+            )
+        )
+
+    prompt = token_prompts(llm.tokenizer, [16], seed=3)[0]
+    ours_single, hf_single = single_decode(llm, hf, prompt, 128)
+
+    served = None
+    if args.served:
+        from bench.served import run_served
+
+        served = run_served(model_dir, prompts, outputs)
+        rows.append(("skiff served (HTTP -> NATS -> worker)", served["tokens_per_s"]))
+
+    best_hf = max(hf_rates.values())
+    print(f"\n{'path':<52} {'output tok/s':>12} {'vs best HF':>10}")
+    for name, rate in rows:
+        print(f"{name:<52} {rate:>12.1f} {rate / best_hf:>9.2f}x")
+    print(
+        f"\nsingle request decode (16-token prompt, 128 new): skiff {ours_single:.1f} tok/s, "
+        f"transformers {hf_single:.1f} tok/s, ratio {ours_single / hf_single:.2f}"
+    )
+    if served:
+        print(json.dumps(served, indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "single_decode": {"skiff": ours_single, "transformers": hf_single},
+                "served": served,
+            },
+            indent=2,
+        )
+    )
+    print(f"throughput ratio vs transformers: {rows[0][1] / best_hf:.2f}")
+
+
+if __name__ == "__main__":
+    main()
