@@ -79,11 +79,14 @@ class ModelRunner:
             return SamplerOutput(step_id=plan.step_id)
         inputs = self._prepare_inputs(plan)
         self.num_tokens_computed += len(inputs.positions)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self._forward(inputs)  # [num_tokens, hidden_size]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
         sampling_rows = inputs.rows[inputs.sampling]
         result = self.sampler(logits, self._sampling_metadata(sampling_rows))
         return self._write_back(plan.step_id, inputs, sampling_rows, result)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def _update_states(self, plan: BatchPlan) -> None:
         for req_id in plan.finished_req_ids:
