@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from services.worker.attention import AttentionMetadata, get_attention_backend
+from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.loader import load_model
 from services.worker.model_config import ModelConfig
@@ -25,6 +26,7 @@ class RunnerConfig:
     max_model_len: int = 2048
     device: str = "cpu"
     dtype: str = "float32"
+    cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
 
 
 @dataclass
@@ -62,6 +64,13 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.num_tokens_computed = 0  # all tokens run through the model so far
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv_caches, config.max_num_seqs,
+                -(-self.max_model_len // config.block_size), self.max_model_len, self.device,
+            )
+            self.decode_graphs.capture()
 
     def reset(self) -> None:
         """Forget every request (the scheduler that placed them is gone)."""
@@ -86,6 +95,10 @@ class ModelRunner:
         return self._write_back(plan.step_id, inputs, sampling_rows, result)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            if hidden is not None:
+                return hidden
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def _update_states(self, plan: BatchPlan) -> None:

@@ -47,6 +47,13 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
     )
 
 
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache: [num_blocks, block_size, kv_heads, head_dim], blocks: [num_reqs, max_blocks]
+    -> [num_reqs, max_blocks * block_size, kv_heads, head_dim] (index_select: one copy)."""
+    gathered = cache.index_select(0, blocks.flatten())
+    return gathered.view(blocks.shape[0], -1, *cache.shape[-2:])
+
+
 class TorchAttentionBackend:
     def forward(
         self,
@@ -73,10 +80,7 @@ class TorchAttentionBackend:
     @staticmethod
     def _decode(query, kv_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
         q = query[plan.decode_rows].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
-        num_decodes = q.shape[0]
-        # [num_decodes, kv_heads, max_len, head_dim]
-        k = kv_cache[0][plan.decode_blocks].view(num_decodes, -1, *kv_cache.shape[-2:])
-        v = kv_cache[1][plan.decode_blocks].view(num_decodes, -1, *kv_cache.shape[-2:])
+        k, v = (_gather(kv_cache[i], plan.decode_blocks) for i in (0, 1))
         out = F.scaled_dot_product_attention(
             q,
             k.transpose(1, 2),
@@ -93,8 +97,8 @@ class TorchAttentionBackend:
         if q_len == seq_len:  # no earlier context: attend to the new keys directly
             k, v, causal, mask = key, value, True, None
         else:  # chunk after cached context: read the whole context from the cache
-            k = kv_cache[0][blocks].flatten(0, 1)[:seq_len]
-            v = kv_cache[1][blocks].flatten(0, 1)[:seq_len]
+            k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len]
+            v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len]
             q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
             causal, mask = False, torch.arange(seq_len).unsqueeze(0) <= q_pos
         out = F.scaled_dot_product_attention(
