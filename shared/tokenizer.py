@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 
 class Tokenizer:
@@ -38,6 +41,39 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each token decoded on its own (a partial UTF-8 character shows as U+FFFD)."""
+        return self._tok.decode_batch([[i] for i in token_ids], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for, exact for byte-level and byte-fallback BPE."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_token_ids:
+            return piece.encode()
+        byte_map = self._byte_decoder
+        if byte_map is not None and all(c in byte_map for c in piece):
+            return bytes(byte_map[c] for c in piece)
+        if _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    def decode_stream(self, prefix_ids: list[int] | None = None,
+                      skip_special_tokens: bool = True) -> DecodeStream:
+        """An incremental decoder (`tokenizers.decoders.DecodeStream`) primed with a prefix."""
+        return DecodeStream(ids=prefix_ids or None, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _byte_decoder(self) -> dict[str, int] | None:
+        if not isinstance(self._tok.decoder, ByteLevel):
+            return None
+        return {char: byte for byte, char in _bytes_to_unicode().items()}
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template")
@@ -50,6 +86,18 @@ class Tokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to 256+."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    mapping = {b: chr(b) for b in printable}
+    extra = (b for b in range(256) if b not in mapping)
+    mapping.update({b: chr(256 + n) for n, b in enumerate(extra)})
+    return mapping
 
 
 def _token_str(value: str | dict | None) -> str | None:

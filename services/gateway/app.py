@@ -1,0 +1,98 @@
+"""The gateway's FastAPI app: OpenAI-compatible endpoints over an `EngineClient`.
+
+    app = create_app(engine_client, tokenizer, "SmolLM2-135M-Instruct", max_model_len=2048)
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+POST /detokenize, GET /health (503 until the engine is ready or while draining), GET /version,
+GET /metrics. With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from fastapi import APIRouter, FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from services.gateway import chat, completions, tokenization
+from services.gateway.context import GatewayContext
+from services.gateway.engine_client import EngineClient
+from services.gateway.errors import error_response, install_error_handlers
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestContextMiddleware,
+)
+from shared.tokenizer import Tokenizer
+
+DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("skiff")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+def create_app(
+    engine_client: EngineClient,
+    tokenizer: Tokenizer,
+    served_model_name: str,
+    max_model_len: int | None,
+    api_key: str | None = None,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    model_root: str | None = None,
+) -> FastAPI:
+    """Build the app. `max_model_len=None` takes the context length from the scheduler's
+    heartbeat. The shared state is `app.state.gateway` (a `GatewayContext`); set its
+    `draining` to make /health fail and new requests get 503 during shutdown."""
+    metrics = GatewayMetrics(served_model_name, engine_client)
+    ctx = GatewayContext(engine_client, tokenizer, served_model_name, metrics,
+                         configured_max_model_len=max_model_len, model_root=model_root)
+    app = FastAPI(title="skiff gateway", version=_version(),
+                  summary="OpenAI-compatible API of skiff (vLLM-compatible)")
+    app.state.gateway = ctx
+    install_error_handlers(app)
+    for module in (completions, chat, tokenization):
+        app.include_router(module.router(ctx))
+    app.include_router(_service_router(ctx))
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)  # outermost
+    return app
+
+
+def _service_router(ctx: GatewayContext) -> APIRouter:
+    api = APIRouter()
+
+    @api.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [{
+            "id": ctx.served_model_name, "object": "model", "created": ctx.created,
+            "owned_by": "skiff", "root": ctx.model_root or ctx.served_model_name,
+            "parent": None,
+            "max_model_len": ctx.configured_max_model_len or ctx.engine.max_model_len,
+        }]}
+
+    @api.get("/health")
+    async def health() -> Response:
+        if ctx.draining:
+            return error_response(503, "the gateway is shutting down")
+        if not ctx.engine.ready:
+            return error_response(503, "no scheduler with ready workers is available")
+        return Response(status_code=200)
+
+    @api.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return api

@@ -1,0 +1,112 @@
+"""POST /v1/chat/completions: the model's chat template, n choices, logprobs, streaming."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from services.gateway.choice import ChoiceSpec, ChoiceUpdate
+from services.gateway.context import GatewayContext
+from services.gateway.errors import APIError
+from services.gateway.generation import Generation
+from services.gateway.logprobs import chat_logprobs, prompt_logprobs_body
+from services.gateway.protocol import ChatCompletionRequest
+from services.gateway.sampling import (
+    build_sampling_params,
+    for_choice,
+    resolve_max_tokens,
+    stop_strings,
+)
+from services.gateway.serving import (
+    Payload,
+    check_num_choices,
+    engine_base_id,
+    event_stream,
+    request_id,
+    respond_once,
+    usage,
+)
+from services.gateway.sse import EventStreamResponse
+
+
+def _num_top_logprobs(body: ChatCompletionRequest) -> int | None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "when using `top_logprobs`, `logprobs` must be set to true",
+                       "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def router(ctx: GatewayContext) -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        ctx.check_accepting()
+        ctx.check_model(body.model)
+        check_num_choices(1, body.n)
+        num_top = _num_top_logprobs(body)
+        text = ctx.render_chat(body.messages, body.add_generation_prompt,
+                               body.continue_final_message)
+        prompt_ids = await ctx.encode(text, body.add_special_tokens)
+        requested = body.max_completion_tokens or body.max_tokens
+        max_tokens = resolve_max_tokens(requested, len(prompt_ids), ctx.max_model_len(),
+                                        "messages")
+        params = build_sampling_params(body, ctx.tokenizer, max_tokens=max_tokens,
+                                       logprobs=num_top, prompt_logprobs=body.prompt_logprobs)
+        base = engine_base_id()
+        specs = [ChoiceSpec(i, f"{base}-{i}", prompt_ids, for_choice(params, i),
+                            stop_strings(body.stop), body.include_stop_str_in_output,
+                            body.skip_special_tokens) for i in range(body.n)]
+        gen = Generation(ctx.engine, ctx.tokenizer, ctx.metrics, specs, arrival)
+        await gen.start()
+        created = int(time.time())
+
+        def head(kind: str) -> Payload:
+            return {"id": f"chatcmpl-{request_id(request)}", "object": kind,
+                    "created": created, "model": ctx.served_model_name}
+
+        def logprobs(update: ChoiceUpdate) -> Payload | None:
+            if num_top is None:
+                return None
+            return {"content": chat_logprobs(ctx.tokenizer, update.token_ids, update.logprobs,
+                                             num_top)}
+
+        def final_usage() -> Payload:
+            return usage([len(prompt_ids)], gen.choices)
+
+        def prompt_logprobs() -> list | None:
+            if body.prompt_logprobs is None:
+                return None
+            return prompt_logprobs_body(ctx.tokenizer, prompt_ids, gen.choices[0].prompt_logprobs)
+
+        if body.stream:
+            chunk_head = head("chat.completion.chunk")
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            opening = [{**chunk_head, "choices": [{
+                "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}]} for i in range(body.n)]
+
+            def chunk(update: ChoiceUpdate) -> Payload:
+                delta = {"content": update.text} if update.text else {}
+                return {**chunk_head, "choices": [{
+                    "index": update.index, "delta": delta, "logprobs": logprobs(update),
+                    "finish_reason": update.finish_reason, "stop_reason": update.stop_reason}]}
+
+            final = (lambda: {**chunk_head, "choices": [], "usage": final_usage()}) \
+                if include_usage else None
+            events = event_stream(ctx, gen, opening, chunk, final)
+            return EventStreamResponse(events, on_close=gen.close)
+
+        def build(results: list[ChoiceUpdate]) -> Payload:
+            return {**head("chat.completion"), "choices": [{
+                "index": u.index, "message": {"role": "assistant", "content": u.text},
+                "logprobs": logprobs(u), "finish_reason": u.finish_reason,
+                "stop_reason": u.stop_reason} for u in results],
+                "usage": final_usage(), "prompt_logprobs": prompt_logprobs()}
+
+        return await respond_once(request, ctx, gen, build)
+
+    return api

@@ -1,0 +1,117 @@
+"""Prometheus metrics of the gateway: vLLM's names where the meaning is the same, `skiff_`
+for ours. Each app has its own registry (several apps can live in one test process).
+
+The gateway sees what a client sees, so it owns the client-facing latencies (TTFT, inter-token
+latency, end-to-end), request outcomes and token counts; queue, KV-cache and step metrics belong
+to the scheduler. Each choice of an n>1 request counts as one request, as in vLLM V1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from services.gateway.engine_client import EngineClient
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str, engine: EngineClient) -> None:
+        self.registry = CollectorRegistry()
+        model = ["model_name"]
+        reg = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, model, buckets=buckets, registry=reg)
+
+        def count(name: str, doc: str) -> Counter:
+            return Counter(name, doc, model, registry=reg)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.",
+                         _LATENCY_BUCKETS).labels(model_name)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between token deltas.",
+                        _LATENCY_BUCKETS).labels(model_name)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                        _LATENCY_BUCKETS).labels(model_name)
+        self.request_prompt_tokens = hist("vllm:request_prompt_tokens",
+                                          "Prompt tokens per request.", _TOKEN_BUCKETS
+                                          ).labels(model_name)
+        self.request_generation_tokens = hist("vllm:request_generation_tokens",
+                                              "Generated tokens per request.", _TOKEN_BUCKETS
+                                              ).labels(model_name)
+        self.prompt_tokens = count("vllm:prompt_tokens", "Prefill tokens.").labels(model_name)
+        self.generation_tokens = count("vllm:generation_tokens",
+                                       "Generated tokens.").labels(model_name)
+        self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=reg)
+        self._model = model_name
+        self.http_requests = Counter("skiff_gateway_http_requests", "HTTP requests served.",
+                                     ["method", "route", "status"], registry=reg)
+        self.in_flight = Gauge("skiff_gateway_requests_in_flight",
+                               "Generation requests being served.", registry=reg)
+        self.submit_seconds = Histogram("skiff_gateway_submit_seconds",
+                                        "Submit round trip to the scheduler over NATS.",
+                                        buckets=_LATENCY_BUCKETS, registry=reg)
+        self.client_disconnects = Counter("skiff_gateway_client_disconnects",
+                                          "Requests aborted because the client left.",
+                                          registry=reg)
+        self.stop_string_aborts = Counter("skiff_gateway_stop_string_aborts",
+                                          "Requests finished by a stop string.", registry=reg)
+        ready = Gauge("skiff_gateway_engine_ready", "1 when a scheduler with workers is up.",
+                      registry=reg)
+        ready.set_function(lambda: float(engine.ready))
+        if hasattr(engine, "stats"):
+            reg.register(_EngineStatsCollector(engine))
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self._model, reason).inc()
+
+
+class ChoiceTimer:
+    """Latency and token accounting of one engine request."""
+
+    def __init__(self, metrics: GatewayMetrics, arrival: float, num_prompt_tokens: int) -> None:
+        self.metrics = metrics
+        self.arrival = arrival
+        self.num_prompt_tokens = num_prompt_tokens
+        self.last = arrival
+        self.num_tokens = 0
+        self.done = False
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        (self.metrics.ttft if self.num_tokens == 0 else self.metrics.itl).observe(now - self.last)
+        self.last = now
+        self.num_tokens += count
+        self.metrics.generation_tokens.inc(count)
+
+    def finish(self, reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        m = self.metrics
+        m.e2e.observe(time.monotonic() - self.arrival)
+        m.finished(reason)
+        m.prompt_tokens.inc(self.num_prompt_tokens)
+        m.request_prompt_tokens.observe(self.num_prompt_tokens)
+        m.request_generation_tokens.observe(self.num_tokens)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats  # type: ignore[attr-defined]
+        for name in ("submitted", "rejected", "aborted", "migrated", "failed"):
+            yield CounterMetricFamily(f"skiff_gateway_engine_{name}",
+                                      f"Engine requests {name}.", value=getattr(stats, name))

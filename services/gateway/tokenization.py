@@ -1,0 +1,41 @@
+"""POST /tokenize and POST /detokenize, in vLLM's shapes."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from services.gateway.context import GatewayContext
+from services.gateway.protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from services.gateway.sampling import check_token_ids
+
+
+def router(ctx: GatewayContext) -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/tokenize")
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        ctx.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            text = ctx.render_chat(body.messages, body.add_generation_prompt,
+                                   body.continue_final_message)
+        else:
+            text = body.prompt
+        tokens = await ctx.encode(text, body.add_special_tokens)
+        return {
+            "count": len(tokens),
+            "max_model_len": ctx.configured_max_model_len or ctx.engine.max_model_len,
+            "tokens": tokens,
+            "token_strs": ctx.tokenizer.token_strs(tokens) if body.return_token_strs else None,
+        }
+
+    @api.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        ctx.check_model(body.model)
+        check_token_ids(body.tokens, ctx.tokenizer.vocab_size, "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    return api
