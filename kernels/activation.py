@@ -32,7 +32,12 @@ def _silu_and_mul_kernel(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, 2 * d] (gate | up) -> [num_tokens, d] = silu(gate) * up."""
+    """x: [num_tokens, 2 * d] (gate | up) -> [num_tokens, d] = silu(gate) * up.
+
+    Inputs of other ranks split their last dim, like the reference.
+    """
+    if x.dim() != 2 and x.dim() > 0:
+        return silu_and_mul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], x.shape[-1] // 2)
     check(x, "x", 2)
     check_device(x)
     num_tokens, d = x.shape[0], x.shape[1] // 2

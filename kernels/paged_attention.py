@@ -37,8 +37,8 @@ MAX_SPLITS = 16
 @triton.jit
 def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr):
     """The last request i whose first program (see the module docstring) is <= q_block."""
-    lo = 0
-    hi = num_reqs
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_reqs
     while lo < hi:
         mid = (lo + hi) // 2
         first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q
@@ -51,7 +51,7 @@ def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr)
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], or partials [NUM_SPLITS, ...] fp32
     lse_ptr,  # [NUM_SPLITS, num_tokens, num_heads] fp32 (only with NUM_SPLITS > 1)
@@ -117,8 +117,8 @@ def _paged_attention_kernel(
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 domain)
-    l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 domain)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_table
     head_off = kv_head * stride_head
@@ -131,20 +131,20 @@ def _paged_attention_kernel(
         k = tl.load(kv_cache_ptr + kv_off[None, :] + dims[:, None], mask=kv_mask, other=0.0)
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
         s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
         p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(
             kv_cache_ptr + stride_kv + kv_off[:, None] + dims[None, :],
             mask=n_ok[:, None] & dim_ok[None, :],
             other=0.0,
         )  # [TILE_N, HEAD_DIM_PAD]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m_i = m_new
 
-    l_safe = tl.where(l == 0.0, 1.0, l)  # rows without keys: padding, or an empty split
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows without keys: padding, or an empty split
     out = acc / l_safe[:, None]
     out_off = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     out_mask = row_ok[:, None] & dim_ok[None, :]
@@ -152,12 +152,12 @@ def _paged_attention_kernel(
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.store(out_ptr + split * stride_split + out_off, out, mask=out_mask)
-        lse = tl.where(l == 0.0, float("-inf"), m + tl.math.log2(l_safe))
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         lse_off = split * stride_lse_split + tokens * stride_lse_t + heads
         tl.store(lse_ptr + lse_off, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     partial_ptr,  # [NUM_SPLITS, num_tokens, num_heads, head_dim] fp32
@@ -218,6 +218,8 @@ def paged_attention(
     num_splits: int | None = None,
     block_m: int | None = None,
     tile_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens against its paged context.
 
@@ -226,7 +228,8 @@ def paged_attention(
     including the new tokens); block_table: [num_reqs, max_blocks]. Returns [num_tokens,
     num_heads, head_dim]; rows past query_start_loc[-1] (padding) are left unwritten.
     max_query_len / max_seq_len are host-side hints for the tiling (never read from the
-    device); num_splits, block_m and tile_n override the heuristics (for tuning).
+    device); num_splits, block_m, tile_n, num_warps and num_stages override the heuristics
+    (for tuning; any value gives the same result).
     """
     num_tokens, num_heads, head_dim = _check_inputs(
         query, kv_cache, query_start_loc, seq_lens, block_table
@@ -271,8 +274,9 @@ def paged_attention(
         BLOCK_M=block_m,
         TILE_N=tile_n,
         NUM_SPLITS=num_splits,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m * head_dim_pad <= 64 * 128 else 8,
+        PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 matches the CPU
+        num_warps=num_warps or (4 if block_m <= 16 else 8),
+        num_stages=num_stages or 3,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -314,9 +318,11 @@ def _check_inputs(
 
 def _block_q(group: int, max_query_len: int | None, block_m: int | None) -> int:
     """Query tokens per program: about 64 rows (block_m) of tokens x heads, fewer for short
-    queries (one for a decode-only batch)."""
+    queries (one for a decode-only batch). Powers of two keep the compiled variants few."""
     block_q = max(1, (block_m or 64) // group)
-    return block_q if max_query_len is None else max(1, min(block_q, max_query_len))
+    if max_query_len is None:
+        return block_q
+    return max(1, min(block_q, triton.next_power_of_2(max(1, max_query_len))))
 
 
 def _default_splits(
@@ -328,9 +334,9 @@ def _default_splits(
     target = 4 * _num_sms(device.index if device.index is not None else 0)
     if num_programs >= target:
         return 1
-    by_occupancy = math.ceil(target / num_programs)
+    by_occupancy = triton.next_power_of_2(math.ceil(target / num_programs))
     by_length = max(1, max_seq_len // (4 * tile_n))  # at least 4 tiles per split
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+    return min(by_occupancy, 1 << (by_length.bit_length() - 1), MAX_SPLITS)  # a power of two
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""Plain-torch reference implementations; the CPU path runs these, the tests compare against them."""
+"""Plain-torch reference implementations: the CPU path runs these; tests compare kernels to them."""
 
 from __future__ import annotations
 

@@ -48,8 +48,11 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [num_tokens, hidden]; weight: [hidden] -> (normed, x + residual).
 
-    Without a residual the second result is `x` itself, as in the reference.
+    Without a residual the second result is `x` itself, as in the reference. Inputs of other
+    ranks are normalized over their last dim, like the reference.
     """
+    if x.dim() != 2 and x.dim() > 0:
+        return _rms_norm_nd(x, weight, eps, residual)
     check(x, "x", 2)
     check(weight, "weight", 1)
     num_tokens, hidden = x.shape
@@ -80,3 +83,13 @@ def rms_norm(
 
 def _num_warps(hidden: int) -> int:
     return min(16, max(1, triton.next_power_of_2(hidden) // 256))
+
+
+def _rms_norm_nd(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm over the last dim of a [..., hidden] tensor, through the 2-D kernel."""
+    hidden = x.shape[-1]
+    flat_residual = None if residual is None else residual.reshape(-1, hidden)
+    normed, new_residual = rms_norm(x.reshape(-1, hidden), weight, eps, flat_residual)
+    return normed.view(x.shape), x if residual is None else new_residual.view(x.shape)

@@ -7,8 +7,13 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton reads this when kernels are defined: without a GPU the kernel tests run under the
+# interpreter on CPU tensors. The CPU serving path never imports Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
@@ -73,3 +78,37 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         "qwen2": make_tiny_model(root / "qwen2", "Qwen2ForCausalLM"),
         "qwen3": make_tiny_model(root / "qwen3", "Qwen3ForCausalLM", head_dim=16),
     }
+
+
+@pytest.fixture(scope="session")
+def stack(smollm2_dir, tmp_path_factory):
+    """The real services as processes: nats-server, scheduler, one CPU worker, gateway."""
+    from services.launcher import Stack, StackConfig, free_port
+
+    logs = tmp_path_factory.mktemp("stack-logs")
+    s = Stack(StackConfig(model_dir=str(smollm2_dir), served_model_name="SmolLM2-135M-Instruct",
+                          port=free_port(), kv_cache_gib=0.5, max_model_len=2048,
+                          log_dir=str(logs)))
+    try:
+        s.start(timeout_s=300)
+    except Exception:
+        for log in sorted(logs.glob("*.log")):
+            print(f"--- {log.name}\n{log.read_text()[-3000:]}")
+        raise
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def openai_client(stack):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def offline_llm(smollm2_dir):
+    """The in-process engine on the same model: the reference for the served path."""
+    from services.offline import LLM
+
+    return LLM(smollm2_dir, kv_cache_gib=0.25)

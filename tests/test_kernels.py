@@ -11,21 +11,33 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib.metadata  # noqa: E402
-import random  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+import importlib.metadata
+import importlib.util
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
 
-from kernels import activation, ops, reference  # noqa: E402
-from kernels import kv_cache as kv_kernels  # noqa: E402
-from kernels import paged_attention as pa  # noqa: E402
-from kernels import rms_norm as rms_kernels  # noqa: E402
-from kernels import rotary as rotary_kernels  # noqa: E402
-from kernels._checks import interpreting  # noqa: E402
+from kernels import activation, ops, reference
+from kernels import kv_cache as kv_kernels
+from kernels import paged_attention as pa
+from kernels import rms_norm as rms_kernels
+from kernels import rotary as rotary_kernels
+from kernels._checks import interpreting
 
 INTERPRET = interpreting()
+if INTERPRET and not isinstance(pa._paged_attention_kernel, InterpretedFunction):
+    pytest.skip(
+        "Triton was imported before TRITON_INTERPRET=1 was set (it is read when kernels are "
+        "decorated): set it in the environment or run this file on its own",
+        allow_module_level=True,
+    )
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -88,6 +100,17 @@ def test_rms_norm_mixed_dtypes_and_strides() -> None:
     assert_close(got[0], want[0], torch.float16)
     assert_close(got[1], want[1], torch.float16)
     assert rms_kernels.rms_norm(x[:0], weight, 1e-5)[0].shape == (0, 37)
+
+
+def test_other_ranks_like_the_reference() -> None:
+    x = randn(2, 3, 10)  # [batch, heads, 2 * d]: e.g. per-head q/k norm inputs
+    assert_close(activation.silu_and_mul(x), reference.silu_and_mul(x), torch.float32)
+    weight, residual = randn(10), randn(2, 3, 10)
+    for res in (None, residual):
+        got = rms_kernels.rms_norm(x, weight, 1e-6, res)
+        want = reference.rms_norm(x, weight, 1e-6, res)
+        assert_close(got[0], want[0], torch.float32)
+        assert_close(got[1], want[1], torch.float32)
 
 
 def llama3_cos_sin_cache(rot_dim: int, max_position: int, base: float = 500000.0) -> torch.Tensor:
@@ -249,7 +272,8 @@ def test_paged_attention_empty_decode_set() -> None:
 
 
 def test_paged_attention_decode_only_with_splits() -> None:
-    batch = make_batch([1, 1, 1, 1], [1, 17, 200, 33], 4, 1, 64, num_padding=2)
+    # trailing idle requests and padding rows, as a CUDA-graph-sized batch has them
+    batch = make_batch([1, 1, 1, 1, 0, 0], [1, 17, 200, 33, 0, 0], 4, 1, 64, num_padding=2)
     for num_splits in (1, 3):
         check_attention(batch, max_query_len=1, max_seq_len=200, num_splits=num_splits)
 
@@ -286,14 +310,16 @@ def test_paged_attention_random(seed: int) -> None:
 
 
 def test_paged_attention_bad_layout() -> None:
-    batch = make_batch([2], [2], 2, 1, 64)
+    batch = make_batch([2], [2], 2, 2, 64)
     args = (batch.query_start_loc, batch.seq_lens, batch.block_table, 1.0)
     with pytest.raises(ValueError, match="multiple"):
         pa.paged_attention(randn(2, 3, 64), batch.kv_cache, *args)
     with pytest.raises(ValueError, match="dtype"):
         pa.paged_attention(batch.query.half(), batch.kv_cache, *args)
     with pytest.raises(ValueError, match="stride"):
-        pa.paged_attention(batch.query.transpose(0, 2).contiguous().transpose(0, 2), batch.kv_cache, *args)
+        pa.paged_attention(
+            batch.query.transpose(0, 2).contiguous().transpose(0, 2), batch.kv_cache, *args
+        )
 
 
 # --- backend, dispatch, interpreter ----------------------------------------------------------
@@ -340,7 +366,7 @@ class _Spy:
     def __init__(self, kernel: object) -> None:
         self.kernel, self.devices = kernel, []
 
-    def __getitem__(self, grid: tuple[int, ...]):  # noqa: ANN204
+    def __getitem__(self, grid: tuple[int, ...]):
         launch = self.kernel[grid]
 
         def run(*args: object, **kwargs: object) -> object:
@@ -350,30 +376,48 @@ class _Spy:
         return run
 
 
+@pytest.fixture
+def triton_on_cpu() -> Iterator[None]:
+    ops.use_triton_on_cpu(True)
+    yield
+    ops.use_triton_on_cpu(False)
+
+
 def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     spy = _Spy(activation._silu_and_mul_kernel)
     monkeypatch.setattr(activation, "_silu_and_mul_kernel", spy)
     x = randn(2, 8)
-    ops.silu_and_mul(x)
+    ops.silu_and_mul(x)  # CPU tensors take the reference by default
     assert spy.devices == ([] if x.device.type == "cpu" else ["cuda", "cuda"])
-    monkeypatch.setattr(ops, "_triton_on_cpu", True)
-    assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x), torch.float32)
+    ops.use_triton_on_cpu(True)
+    try:
+        assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x), torch.float32)
+    finally:
+        ops.use_triton_on_cpu(False)
     assert spy.devices
     if INTERPRET:  # the interpreter runs the kernel on CPU tensors
         assert set(spy.devices) == {"cpu"}
 
 
-def test_ops_triton_on_cpu_runs_every_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ops, "_triton_on_cpu", True)
+@pytest.mark.usefixtures("triton_on_cpu")
+def test_ops_triton_on_cpu_runs_every_kernel() -> None:
     batch = make_batch([3, 1], [3, 20], 2, 1, 64)
     args = (batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table)
-    assert_close(ops.paged_attention(*args, 0.1), reference.paged_attention(*args, 0.1), torch.float32)
+    assert_close(
+        ops.paged_attention(*args, 0.1), reference.paged_attention(*args, 0.1), torch.float32
+    )
     x, w = randn(3, 24), randn(24)
-    assert_close(ops.rms_norm(x, w, 1e-6, x)[0], reference.rms_norm(x, w, 1e-6, x)[0], torch.float32)
+    assert_close(
+        ops.rms_norm(x, w, 1e-6, x)[0], reference.rms_norm(x, w, 1e-6, x)[0], torch.float32
+    )
     cache = llama3_cos_sin_cache(64, 32)
     pos = torch.tensor([0, 5, 31, 7], device=DEVICE)
     q, k = randn(4, 2, 64), randn(4, 1, 64)
-    assert_close(ops.rotary_embedding(pos, q, k, cache)[0], reference.rotary_embedding(pos, q, k, cache)[0], torch.float32)
+    assert_close(
+        ops.rotary_embedding(pos, q, k, cache)[0],
+        reference.rotary_embedding(pos, q, k, cache)[0],
+        torch.float32,
+    )
     kv_cache = batch.kv_cache.clone()
     slots = torch.tensor([3, -1, 40, 17], device=DEVICE)
     ops.write_kv_cache(k, k, kv_cache, slots)
@@ -384,8 +428,6 @@ def test_ops_triton_on_cpu_runs_every_kernel(monkeypatch: pytest.MonkeyPatch) ->
 def test_kernels_run_in_interpreter_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     if not INTERPRET:
         pytest.skip("interpreter off")
-    from triton.runtime.interpreter import InterpretedFunction
-
     assert isinstance(pa._paged_attention_kernel, InterpretedFunction)
     assert DEVICE.type == "cpu"
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors need the interpreter
@@ -397,3 +439,15 @@ def test_kernels_run_in_interpreter_on_cpu(monkeypatch: pytest.MonkeyPatch) -> N
 def test_not_mistaken_for_hf_kernels_package() -> None:
     with pytest.raises(importlib.metadata.PackageNotFoundError):
         importlib.metadata.version("kernels")
+
+
+def test_kernels_compile_for_sm90() -> None:
+    """The interpreter does not compile: run the real compiler for Hopper, no GPU needed."""
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("Triton without its NVIDIA backend")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    cmd = [sys.executable, "-m", "kernels.compile_check", "--arch", "90"]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("registers") == 24
