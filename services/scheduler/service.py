@@ -19,7 +19,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.request import Request, RequestStatus
+from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.scheduler import RequestOutput
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared import bus
@@ -147,6 +147,12 @@ class SchedulerService:
             priority=sub.priority,
         )
         self.gateway_of[sub.req_id] = sub.gateway_id
+        max_tokens = sub.sampling_params.max_tokens
+        if max_tokens is not None and len(sub.output_token_ids) >= max_tokens:
+            # a continuation whose finishing delta was lost: it is already complete
+            done = RequestOutput(sub.req_id, [], FinishReason.LENGTH)
+            asyncio.get_running_loop().create_task(self._publish_outputs([done]))
+            return SubmitReply(accepted=True)
         self._place(request)
         return SubmitReply(accepted=True)
 
