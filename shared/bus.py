@@ -20,8 +20,11 @@ log = logging.getLogger("skiff.bus")
 HEADER_ROOM = 512  # bytes kept free for subject, headers and protocol framing
 
 
-async def connect(url: str, name: str) -> Client:
-    """Connect and keep reconnecting forever; a NATS blip must never end a service."""
+async def connect(
+    url: str, name: str, on_reconnect: Callable[[], Awaitable[None]] | None = None
+) -> Client:
+    """Connect and keep reconnecting forever; a NATS blip must never end a service.
+    `on_reconnect` runs after each reconnection (messages in flight may have been lost)."""
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats error: %s", exc)
@@ -29,8 +32,10 @@ async def connect(url: str, name: str) -> Client:
     async def on_disconnect() -> None:
         log.warning("nats disconnected")
 
-    async def on_reconnect() -> None:
+    async def reconnected() -> None:
         log.info("nats reconnected")
+        if on_reconnect is not None:
+            await on_reconnect()
 
     return await nats.connect(
         url,
@@ -42,7 +47,7 @@ async def connect(url: str, name: str) -> Client:
         max_outstanding_pings=3,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
+        reconnected_cb=reconnected,
     )
 
 

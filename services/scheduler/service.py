@@ -85,7 +85,7 @@ class SchedulerService:
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.nc = await bus.connect(self.config.nats_url, "skiff-scheduler")
+        self.nc = await bus.connect(self.config.nats_url, "skiff-scheduler", self._on_reconnect)
         s = self.subjects
         await self.nc.subscribe(s.submit, cb=self._on_submit)
         await bus.subscribe(self.nc, s.abort, self._on_abort)
@@ -108,6 +108,12 @@ class SchedulerService:
         for task in [*self._tasks, *self.loops.values()]:
             task.cancel()
         await self.nc.drain()
+
+    async def _on_reconnect(self) -> None:
+        """A plan or result may have been lost in the blip: restart every worker on a fresh
+        core (a new session makes the worker drop its state) and recompute in-flight work."""
+        for worker in list(self.pool.workers.values()):
+            self._adopt(worker.hello, fresh=True)
 
     # ---- gateway side ------------------------------------------------------------------
 

@@ -49,6 +49,8 @@ class WorkerPool:
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
         core = Scheduler(config, hello.num_blocks, tuple(hello.eos_token_ids))
+        if old is not None:  # step ids keep rising, so a late result of the old core is ignored
+            core.step_id = old.core.step_id + 1
         handle = WorkerHandle(hello, core)
         self.workers[hello.worker_id] = handle
         return handle, old
