@@ -1,5 +1,9 @@
-"""Plain-torch paged attention for the CPU: decode requests batched in one SDPA call,
-prefill chunks one request at a time."""
+"""Plain-torch paged attention for the CPU.
+
+Decode requests (one query token) are batched into a few SDPA calls, grouped by context length
+so that padding to the group's longest context stays small; prefill chunks run one request at
+a time. Keys and values are gathered from the paged cache with one `index_select` per group.
+"""
 
 from __future__ import annotations
 
@@ -11,26 +15,37 @@ from torch.nn import functional as F
 from kernels import ops
 from services.worker.attention.base import AttentionMetadata
 
+# A new decode group starts when a context is shorter than this fraction of the group's longest.
+GROUP_LENGTH_RATIO = 0.75
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor  # [group] query rows of single-token requests
+    blocks: torch.Tensor  # [group, max_blocks] block ids, padded
+    mask: torch.Tensor  # [group, 1, 1, max_blocks * block_size] bool: position < seq_len
+
+
+@dataclass
+class _Prefill:
+    start: int
+    end: int
+    seq_len: int
+    blocks: torch.Tensor  # [num_blocks] int64
+
 
 @dataclass
 class _StepPlan:
-    decode_rows: torch.Tensor  # [num_decodes] query rows of single-token requests
-    decode_blocks: torch.Tensor  # [num_decodes, max_decode_blocks]
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_decode_blocks * block_size] bool
-    prefills: list[tuple[int, int, int, torch.Tensor]]  # (start, end, seq_len, block ids)
+    decodes: list[_DecodeGroup]
+    prefills: list[_Prefill]
 
 
 def _plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
+    """Derived once per step from the metadata, shared by every layer."""
     q_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
     starts = meta.query_start_loc.tolist()
-    decodes = [i for i, n in enumerate(q_lens) if n == 1]
-    max_dec_len = max((seq_lens[i] for i in decodes), default=0)
-    max_dec_blocks = -(-max_dec_len // block_size)
-    decode_idx = torch.tensor(decodes, dtype=torch.long)
-    dec_seq_lens = meta.seq_lens[decode_idx]
-    mask = torch.arange(max_dec_blocks * block_size) < dec_seq_lens.unsqueeze(1)
     prefills = [
-        (
+        _Prefill(
             starts[i],
             starts[i + 1],
             seq_lens[i],
@@ -39,11 +54,25 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
         for i, n in enumerate(q_lens)
         if n > 1
     ]
-    return _StepPlan(
-        decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long),
-        decode_blocks=meta.block_table[decode_idx, :max_dec_blocks].long(),
-        decode_mask=mask[:, None, None, :],
-        prefills=prefills,
+    decodes = sorted((i for i, n in enumerate(q_lens) if n == 1), key=lambda i: -seq_lens[i])
+    groups: list[list[int]] = []
+    for i in decodes:
+        if not groups or seq_lens[i] < GROUP_LENGTH_RATIO * seq_lens[groups[-1][0]]:
+            groups.append([])
+        groups[-1].append(i)
+    return _StepPlan([_decode_group(meta, g, starts, block_size) for g in groups], prefills)
+
+
+def _decode_group(
+    meta: AttentionMetadata, reqs: list[int], starts: list[int], block_size: int
+) -> _DecodeGroup:
+    max_blocks = -(-meta.seq_lens_cpu[reqs[0]] // block_size)  # reqs[0] has the longest context
+    idx = torch.tensor(reqs, dtype=torch.long)
+    mask = torch.arange(max_blocks * block_size) < meta.seq_lens[idx].unsqueeze(1)
+    return _DecodeGroup(
+        rows=torch.tensor([starts[i] for i in reqs], dtype=torch.long),
+        blocks=meta.block_table[idx, :max_blocks].long(),
+        mask=mask[:, None, None, :],
     )
 
 
@@ -69,27 +98,33 @@ class TorchAttentionBackend:
             meta.backend_state = _plan(meta, kv_cache.shape[2])
         plan: _StepPlan = meta.backend_state
         out = torch.empty_like(query)
-        if plan.decode_rows.numel():
-            out[plan.decode_rows] = self._decode(query, kv_cache, plan, scale)
-        for start, end, seq_len, blocks in plan.prefills:
-            out[start:end] = self._prefill(
-                query[start:end], key[start:end], value[start:end], kv_cache, seq_len, blocks, scale
+        for group in plan.decodes:
+            out[group.rows] = self._decode(query, kv_cache, group, scale)
+        for p in plan.prefills:
+            out[p.start : p.end] = self._prefill(
+                query[p.start : p.end],
+                key[p.start : p.end],
+                value[p.start : p.end],
+                kv_cache,
+                p.seq_len,
+                p.blocks,
+                scale,
             )
         return out
 
     @staticmethod
-    def _decode(query, kv_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
-        q = query[plan.decode_rows].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
-        k, v = (_gather(kv_cache[i], plan.decode_blocks) for i in (0, 1))
+    def _decode(query, kv_cache, group: _DecodeGroup, scale: float) -> torch.Tensor:
+        q = query[group.rows].unsqueeze(2)  # [group, num_heads, 1, head_dim]
+        k, v = (_gather(kv_cache[i], group.blocks) for i in (0, 1))  # [group, len, kv, dim]
         out = F.scaled_dot_product_attention(
             q,
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=plan.decode_mask,
+            attn_mask=group.mask,
             scale=scale,
             enable_gqa=True,
         )
-        return out.squeeze(2)  # [num_decodes, num_heads, head_dim]
+        return out.squeeze(2)  # [group, num_heads, head_dim]
 
     @staticmethod
     def _prefill(query, key, value, kv_cache, seq_len, blocks, scale) -> torch.Tensor:
