@@ -79,7 +79,8 @@ def main() -> None:
         default=8,
         help="batch 1 is slow: time it on this many requests (a rate, so comparable)",
     )
-    p.add_argument("--served", action="store_true", help="also run the HTTP path (issue 3)")
+    p.add_argument("--no-served", dest="served", action="store_false",
+                   help="skip the HTTP path through a real stack")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu.json"))
     args = p.parse_args()
     torch.manual_seed(0)
@@ -124,6 +125,7 @@ def main() -> None:
 
         served = run_served(model_dir, prompts, outputs)
         rows.append(("skiff served (HTTP -> NATS -> worker)", served["tokens_per_s"]))
+        served["vs_in_process"] = served["tokens_per_s"] / rows[0][1]
 
     best_hf = max(hf_rates.values())
     print(f"\n{'path':<52} {'output tok/s':>12} {'vs best HF':>10}")
@@ -134,6 +136,7 @@ def main() -> None:
         f"transformers {hf_single:.1f} tok/s, ratio {ours_single / hf_single:.2f}"
     )
     if served:
+        print(f"served / in-process throughput: {served['vs_in_process']:.2f}")
         print(json.dumps(served, indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(

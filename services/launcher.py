@@ -49,6 +49,7 @@ class StackConfig:
     api_key: str | None = None
     subject_prefix: str = "skiff"
     worker_timeout_s: float = 5.0
+    scheduler_metrics_port: int = 0  # 0: no /metrics endpoint for the scheduler
     log_dir: str | None = None  # None: children log to our stderr
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -106,6 +107,8 @@ class Stack:
                 str(c.max_model_len),
                 "--worker-timeout",
                 str(c.worker_timeout_s),
+                "--metrics-port",
+                str(c.scheduler_metrics_port),
             ),
         )
 

@@ -36,6 +36,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # What `logprobs` report: "raw_logprobs" (default), "raw_logits", "processed_logprobs" or
+    # "processed_logits" (after penalties, temperature and filters), as vLLM's option.
+    logprobs_mode: str = "raw_logprobs"
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +111,7 @@ class SamplerOutput(msgspec.Struct, kw_only=True):
     sampled_token_ids: list[list[int]] = []
     logprobs: list[TokenLogprobs | None] = []
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+    execute_s: float = 0.0  # the worker's time for this step (telemetry for overhead breakdown)
     version: int = PROTOCOL_VERSION
 
 

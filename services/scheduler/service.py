@@ -261,6 +261,7 @@ class SchedulerService:
                 self._adopt(worker.hello, fresh=True)
                 return
             self.metrics.step_seconds.labels(wid).observe(time.perf_counter() - t1)
+            self.metrics.execute_seconds.labels(wid).observe(output.execute_s)
             t2 = time.perf_counter()
             outputs = core.update(output)
             await self._publish_outputs(outputs)

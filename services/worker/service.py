@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ class WorkerService:
                     log.warning("new scheduler epoch: dropping all request state")
                 self.scheduler_epoch = plan.scheduler_epoch
                 await loop.run_in_executor(self.executor, self.runner.reset)
+            start = time.perf_counter()
             try:
                 output = await loop.run_in_executor(self.executor, self.runner.execute, plan)
             except Exception:
@@ -100,6 +102,7 @@ class WorkerService:
                 await self.nc.publish(self.subjects.worker_hello, encode(self.hello()))
                 continue
             output.worker_id = self.config.worker_id
+            output.execute_s = time.perf_counter() - start
             await bus.publish(self.nc, self.subjects.result, encode(output))
 
     async def _heartbeat(self) -> None:
