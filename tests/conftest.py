@@ -16,6 +16,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config) -> None:
+    """Prepare the embedded model before collection: some test modules read its tokenizer at
+    import time (about 30 s on the first run, nothing afterwards)."""
+    from services.worker.gguf_convert import ensure_default_model
+
+    ensure_default_model(progress=False)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from services.worker.gguf_convert import ensure_default_model

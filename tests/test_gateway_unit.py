@@ -46,9 +46,6 @@ from shared.protocol import (
 from shared.subjects import Subjects
 from shared.tokenizer import Tokenizer
 
-HAVE_TOKENIZER = (default_model_dir() / "tokenizer.json").exists()
-pytestmark = pytest.mark.skipif(not HAVE_TOKENIZER, reason="default model tokenizer not prepared")
-
 MODEL = DEFAULT_MODEL_NAME
 MAX_MODEL_LEN = 256
 EOS = 2
@@ -677,15 +674,17 @@ def test_openapi_schema_is_valid(tokenizer):
     assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= set(paths)
 
 
-if HAVE_TOKENIZER:  # schemathesis' lazy fixture loader does not work with pytest 9
-    FUZZ_SCHEMA = schemathesis.openapi.from_asgi(
-        "/openapi.json", _fuzz_app(Tokenizer(default_model_dir())))
+# The schema is built at import (conftest.py prepared the model): lazy fixture loading fails
+# under pytest 9.
+FUZZ_SCHEMA = schemathesis.openapi.from_asgi(
+    "/openapi.json", _fuzz_app(Tokenizer(default_model_dir())))
 
-    @FUZZ_SCHEMA.parametrize()
-    @hypothesis.settings(max_examples=50, deadline=2000, derandomize=True, database=None,
-                         suppress_health_check=list(hypothesis.HealthCheck))
-    def test_schemathesis_fuzz_no_server_errors(case):
-        case.call_and_validate(checks=[not_a_server_error])
+
+@FUZZ_SCHEMA.parametrize()
+@hypothesis.settings(max_examples=50, deadline=2000, derandomize=True, database=None,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+def test_schemathesis_fuzz_no_server_errors(case):
+    case.call_and_validate(checks=[not_a_server_error])
 
 
 # ---- NATS engine client -------------------------------------------------------------------
