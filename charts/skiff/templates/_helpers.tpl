@@ -1,0 +1,90 @@
+{{/* Chart name, truncated to the 63 characters of a DNS label. */}}
+{{- define "skiff.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-qualified name; components append "-gateway", "-worker", ... */}}
+{{- define "skiff.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Selector labels of one component: (dict "ctx" $ "component" "gateway"). */}}
+{{- define "skiff.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "skiff.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Recommended labels of one component: (dict "ctx" $ "component" "gateway"). */}}
+{{- define "skiff.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "skiff.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: skiff
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+{{- end }}
+
+{{/* "repository:tag" of an image block; the tag defaults to the chart's appVersion. */}}
+{{- define "skiff.image" -}}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- end }}
+
+{{- define "skiff.natsUrl" -}}
+{{- if .Values.nats.bundled }}
+{{- printf "nats://%s-nats:4222" (include "skiff.fullname" .) }}
+{{- else }}
+{{- required "nats.url is required when nats.bundled is false" .Values.nats.url }}
+{{- end }}
+{{- end }}
+
+{{/* Model directory inside the containers when model.volume is set. */}}
+{{- define "skiff.modelDir" -}}
+{{- printf "/models/%s" .Values.model.path | trimSuffix "/" }}
+{{- end }}
+
+{{/* One name for the gateway's /v1/models, the metric labels and the workers' hello. */}}
+{{- define "skiff.servedModelName" -}}
+{{- if .Values.model.servedModelName }}
+{{- .Values.model.servedModelName }}
+{{- else if .Values.model.volume }}
+{{- base .Values.model.path }}
+{{- else }}
+{{- "SmolLM2-135M-Instruct" }}
+{{- end }}
+{{- end }}
+
+{{/* Environment every service reads (shared/cli_args.py: add_common). */}}
+{{- define "skiff.commonEnv" -}}
+- name: SKIFF_NATS_URL
+  value: {{ include "skiff.natsUrl" . | quote }}
+- name: SKIFF_SUBJECT_PREFIX
+  value: {{ .Values.subjectPrefix | quote }}
+- name: SKIFF_LOG_LEVEL
+  value: {{ .Values.logLevel | quote }}
+- name: SKIFF_SERVED_MODEL_NAME
+  value: {{ include "skiff.servedModelName" . | quote }}
+{{- end }}
+
+{{/* Writable scratch space for a read-only root filesystem: /tmp and /cache. */}}
+{{- define "skiff.scratchVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: /cache
+{{- end }}
+
+{{- define "skiff.scratchVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: cache
+  emptyDir: {}
+{{- end }}
