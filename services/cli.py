@@ -7,12 +7,13 @@ import argparse
 import signal
 import sys
 import time
+from pathlib import Path
 
 
 def serve(argv: list[str]) -> int:
     from services.launcher import Stack, StackConfig, StartupError
     from shared.cli_args import env_default
-    from shared.default_model import DEFAULT_MODEL_NAME
+    from shared.default_model import DEFAULT_MODEL_NAME, cache_root
 
     p = argparse.ArgumentParser(prog="skiff serve", description="Run the whole stack locally.")
     p.add_argument("--model", default=env_default("model", None))
@@ -30,11 +31,16 @@ def serve(argv: list[str]) -> int:
     if model is None:
         from services.worker.gguf_convert import ensure_default_model
 
-        print("preparing the embedded default model (first run only)...", flush=True)
+        from shared.default_model import default_model_dir, is_prepared
+
+        if not is_prepared(default_model_dir()):
+            print("skiff: preparing the embedded default model (first run only)", flush=True)
         model = str(ensure_default_model())
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
+    log_dir = str(cache_root() / "logs")
     stack = Stack(
         StackConfig(
+            log_dir=log_dir,
             model_dir=model,
             served_model_name=name,
             host=args.host,
@@ -46,17 +52,19 @@ def serve(argv: list[str]) -> int:
             api_key=args.api_key,
         )
     )
-    stopping = False
 
     def on_signal(_sig, _frame):
-        nonlocal stopping
-        stopping = True
+        raise KeyboardInterrupt
 
+    # Explicit handlers: a shell may start us with SIGINT ignored (e.g. in the background).
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"skiff: service logs go to {log_dir}", flush=True)
     try:
         stack.start(progress=lambda msg: print(f"skiff: {msg}", flush=True))
     except (StartupError, FileNotFoundError) as exc:
         print(f"skiff: failed to start: {exc}", file=sys.stderr)
+        _print_log_tails(log_dir)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -69,17 +77,25 @@ def serve(argv: list[str]) -> int:
     )
     code = 0
     try:
-        while not stopping:
+        while True:
             stack.check_alive()
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     except StartupError as exc:
         print(f"skiff: {exc}; stopping", file=sys.stderr)
+        _print_log_tails(log_dir)
         code = 1
     print("skiff: stopping...", flush=True)
     stack.stop()
     return code
+
+
+def _print_log_tails(log_dir: str, lines: int = 15) -> None:
+    for log in sorted(Path(log_dir).glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        print(f"--- {log} (last {len(tail)} lines)", file=sys.stderr)
+        print("\n".join(tail), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -222,6 +221,3 @@ class Stack:
                     proc.kill()
                     proc.wait()
 
-
-def default_log_dir() -> str:
-    return tempfile.mkdtemp(prefix="skiff-logs-")
