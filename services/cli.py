@@ -30,7 +30,6 @@ def serve(argv: list[str]) -> int:
     model = args.model
     if model is None:
         from services.worker.gguf_convert import ensure_default_model
-
         from shared.default_model import default_model_dir, is_prepared
 
         if not is_prepared(default_model_dir()):
