@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
+from services.worker.sampler.tables import BadWordsTable, TokenMaskTable, TokenTable
 from shared.protocol import SamplingParams
+from shared.sampling_validation import GREEDY_EPS, LOGPROBS_MODES
 
 
 @dataclass
@@ -24,6 +25,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprob entries already sent (entry i: prompt token i; entry 0 is None).
+    num_prompt_logprobs_sent: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -44,13 +47,27 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
-        # Sampling parameters, gathered by row each step.
-        self.temperature = torch.ones(max_num_reqs)
-        self.top_p = torch.ones(max_num_reqs)
-        self.top_k = torch.zeros(max_num_reqs, dtype=torch.long)  # 0 = off
-        self.min_p = torch.zeros(max_num_reqs)
-        self.seed = torch.full((max_num_reqs,), -1, dtype=torch.long)  # -1 = unseeded
-        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1 = none requested
+        self._init_sampling(max_num_reqs)
+
+    def _init_sampling(self, rows: int) -> None:
+        """Sampling parameters per row, gathered by row each step (see sampler.builder)."""
+        self.temperature = np.ones(rows, dtype=np.float32)  # below 1e-5 = greedy
+        self.top_p = np.ones(rows, dtype=np.float32)  # 1 = off
+        self.top_k = np.zeros(rows, dtype=np.int64)  # 0 = off
+        self.min_p = np.zeros(rows, dtype=np.float32)  # 0 = off
+        self.seed = np.zeros(rows, dtype=np.int64)
+        self.has_seed = np.zeros(rows, dtype=bool)
+        self.num_logprobs = np.full(rows, -1, dtype=np.int64)  # -1 = none requested
+        self.logprobs_mode = np.zeros(rows, dtype=np.int8)  # index into LOGPROBS_MODES
+        self.num_prompt_logprobs = np.full(rows, -1, dtype=np.int64)  # -1 = none requested
+        self.min_tokens = np.zeros(rows, dtype=np.int64)
+        self.repetition_penalty = np.ones(rows, dtype=np.float32)
+        self.frequency_penalty = np.zeros(rows, dtype=np.float32)
+        self.presence_penalty = np.zeros(rows, dtype=np.float32)
+        self.stop_token_ids = TokenTable(rows)  # banned while below min_tokens
+        self.allowed_token_ids = TokenMaskTable(rows)
+        self.logit_bias = TokenTable(rows, with_values=True)
+        self.bad_words = BadWordsTable(rows)
 
     def add_request(self, state: CachedRequestState) -> int:
         """Append a row; call after `condense` so that rows stay dense."""
@@ -71,12 +88,26 @@ class InputBatch:
         return row
 
     def _set_sampling(self, row: int, params: SamplingParams) -> None:
+        """Greedy rows get the filters off (vLLM does the same), so they never cost a pass."""
+        greedy = params.temperature < GREEDY_EPS
         self.temperature[row] = params.temperature
-        self.top_p[row] = params.top_p
-        self.top_k[row] = max(params.top_k, 0)
-        self.min_p[row] = params.min_p
-        self.seed[row] = -1 if params.seed is None else params.seed
-        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.top_p[row] = 1.0 if greedy else params.top_p
+        self.top_k[row] = 0 if greedy else max(params.top_k, 0)
+        self.min_p[row] = 0.0 if greedy else params.min_p
+        self.has_seed[row] = params.seed is not None
+        self.seed[row] = _int64(params.seed or 0)
+        self.num_logprobs[row] = _or_minus_one(params.logprobs)
+        self.logprobs_mode[row] = LOGPROBS_MODES.index(params.logprobs_mode)
+        self.num_prompt_logprobs[row] = _or_minus_one(params.prompt_logprobs)
+        self.min_tokens[row] = params.min_tokens
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.presence_penalty[row] = params.presence_penalty
+        self.stop_token_ids.set(row, params.stop_token_ids)
+        self.allowed_token_ids.set(row, params.allowed_token_ids)
+        bias = params.logit_bias or {}
+        self.logit_bias.set(row, list(bias), list(bias.values()))
+        self.bad_words.set(row, params.bad_words_token_ids)
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
@@ -86,6 +117,11 @@ class InputBatch:
     def append_token(self, row: int, token_id: int) -> None:
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1
+
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append one token to each of `rows` ([r] each)."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
 
     def remove_request(self, req_id: str) -> None:
         row = self.req_id_to_index.pop(req_id, None)
@@ -111,15 +147,38 @@ class InputBatch:
         self.req_id_to_index[req_id] = dst
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
-        for arr in (
-            self.num_tokens,
-            self.num_prompt_tokens,
-            self.num_computed_tokens,
-            self.num_blocks,
-            self.num_logprobs,
-        ):
+        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens):
             arr[dst] = arr[src]
         nb = self.num_blocks[src]
+        self.num_blocks[dst] = nb
         self.block_table[dst, :nb] = self.block_table[src, :nb]
-        for t in (self.temperature, self.top_p, self.top_k, self.min_p, self.seed):
-            t[dst] = t[src]
+        self._move_sampling(src, dst)
+
+    def _move_sampling(self, src: int, dst: int) -> None:
+        for arr in (
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.seed,
+            self.has_seed,
+            self.num_logprobs,
+            self.logprobs_mode,
+            self.num_prompt_logprobs,
+            self.min_tokens,
+            self.repetition_penalty,
+            self.frequency_penalty,
+            self.presence_penalty,
+        ):
+            arr[dst] = arr[src]
+        for table in (self.stop_token_ids, self.allowed_token_ids, self.logit_bias, self.bad_words):
+            table.move(src, dst)
+
+
+def _int64(x: int) -> int:
+    """Python int -> the int64 with the same low 64 bits (seeds are validated to fit)."""
+    return (x + 2**63) % 2**64 - 2**63
+
+
+def _or_minus_one(x: int | None) -> int:
+    return -1 if x is None else x

@@ -13,7 +13,13 @@ from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.loader import load_model
 from services.worker.model_config import ModelConfig
-from services.worker.sampler import Sampler, SamplerResult, SamplingMetadata
+from services.worker.sampler import (
+    Sampler,
+    SamplerResult,
+    SamplingMetadata,
+    build_sampling_metadata,
+)
+from services.worker.sampler import prompt_logprobs as prompt_lp
 from shared.protocol import BatchPlan, SamplerOutput, TokenLogprobs
 
 
@@ -89,10 +95,13 @@ class ModelRunner:
         inputs = self._prepare_inputs(plan)
         self.num_tokens_computed += len(inputs.positions)
         hidden = self._forward(inputs)  # [num_tokens, hidden_size]
+        prompt_logprobs = self._prompt_logprobs(plan, inputs, hidden)  # extra logits rows
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
         sampling_rows = inputs.rows[inputs.sampling]
         result = self.sampler(logits, self._sampling_metadata(sampling_rows))
-        return self._write_back(plan.step_id, inputs, sampling_rows, result)
+        output = self._write_back(plan.step_id, inputs, sampling_rows, result)
+        output.prompt_logprobs = prompt_logprobs
+        return output
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         if self.decode_graphs is not None:
@@ -174,29 +183,20 @@ class ModelRunner:
         )
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        batch, idx = self.batch, torch.from_numpy(rows)
-        return SamplingMetadata(
-            temperature=batch.temperature[idx],
-            top_k=batch.top_k[idx],
-            top_p=batch.top_p[idx],
-            min_p=batch.min_p[idx],
-            seeds=batch.seed[idx],
-            output_positions=torch.from_numpy(
-                batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
-            ),
-            num_logprobs=batch.num_logprobs[rows].tolist(),
-        )
+        mc = self.model_config
+        eos = () if mc.eos_token_id is None else (mc.eos_token_id, *mc.extra_eos_token_ids)
+        return build_sampling_metadata(self.batch, rows, mc.vocab_size, eos, self.device)
 
     def _write_back(
         self, step_id: int, inputs: StepInputs, sampling_rows: np.ndarray, result: SamplerResult
     ) -> SamplerOutput:
-        sampled = result.sampled_token_ids.tolist()
+        sampled = result.sampled_token_ids.cpu().numpy()  # [num_sampling]
+        self.batch.append_tokens(sampling_rows, sampled)
         per_req: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: list[TokenLogprobs | None] = [None] * len(inputs.req_ids)
         lp_rows = self._logprobs_lists(result, sampling_rows)
         for j, i in enumerate(np.flatnonzero(inputs.sampling).tolist()):
-            token = sampled[j]
-            self.batch.append_token(int(sampling_rows[j]), token)
+            token = int(sampled[j])
             self.requests[inputs.req_ids[i]].output_token_ids.append(token)
             per_req[i] = [token]
             logprobs[i] = lp_rows[j]
@@ -218,3 +218,51 @@ class ModelRunner:
             TokenLogprobs(ids[j][: k + 1], values[j][: k + 1], ranks[j]) if k >= 0 else None
             for j, k in enumerate(wanted)
         ]
+
+    # ---- prompt logprobs (extra logits rows for requests that ask) --------------------------
+
+    def _prompt_logprobs(
+        self, plan: BatchPlan, inputs: StepInputs, hidden: torch.Tensor
+    ) -> dict[str, list[TokenLogprobs | None]]:
+        """This step's part of each asking request's prompt logprobs (see
+        sampler/prompt_logprobs.py: parts arrive in order, the consumer concatenates them).
+
+        Loops only over the requests that asked; positions are batched into one computation.
+        """
+        wanted = np.flatnonzero(self.batch.num_prompt_logprobs[inputs.rows] >= 0)
+        if not wanted.size:
+            return {}
+        num_sched = [plan.num_scheduled_tokens[r] for r in inputs.req_ids]
+        query_start = np.cumsum([0, *num_sched])
+        spans, hidden_rows, targets = [], [], []
+        for i in wanted.tolist():
+            state = self.requests[inputs.req_ids[i]]
+            if state.output_token_ids:  # prompt done (here or on the worker it came from)
+                continue
+            start, prompt = state.num_computed_tokens, state.prompt_token_ids  # start: pre-step
+            entries = prompt_lp.entry_range(
+                len(prompt), start, num_sched[i], state.num_prompt_logprobs_sent
+            )
+            if not entries:
+                continue
+            computed = range(max(entries.start, start + 1), entries.stop)
+            spans.append((state, entries, len(computed), len(hidden_rows)))
+            hidden_rows.extend(query_start[i] + q - 1 - start for q in computed)
+            targets.extend(prompt[q] for q in computed)
+        return self._prompt_logprobs_lists(spans, hidden, hidden_rows, targets)
+
+    def _prompt_logprobs_lists(
+        self, spans: list, hidden: torch.Tensor, hidden_rows: list[int], targets: list[int]
+    ) -> dict[str, list[TokenLogprobs | None]]:
+        top = None
+        if hidden_rows:
+            num_top = max(int(s.sampling_params.prompt_logprobs) for s, *_ in spans)
+            rows, tgt = np.asarray(hidden_rows, np.int64), np.asarray(targets, np.int64)
+            top = prompt_lp.compute(self.model.compute_logits, hidden, rows, tgt, num_top)
+        out: dict[str, list[TokenLogprobs | None]] = {}
+        for state, entries, num_computed, lo in spans:
+            k = state.sampling_params.prompt_logprobs
+            values = prompt_lp.to_lists(top, lo, lo + num_computed, k) if num_computed else []
+            out[state.req_id] = [None] * (len(entries) - num_computed) + values
+            state.num_prompt_logprobs_sent = entries.stop
+        return out

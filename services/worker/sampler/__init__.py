@@ -1,6 +1,7 @@
 """The sampler: logits of the batch's sampling rows -> next tokens (+ logprobs)."""
 
+from services.worker.sampler.builder import build_sampling_metadata
 from services.worker.sampler.metadata import SamplingMetadata
 from services.worker.sampler.sampler import Sampler, SamplerResult
 
-__all__ = ["Sampler", "SamplerResult", "SamplingMetadata"]
+__all__ = ["Sampler", "SamplerResult", "SamplingMetadata", "build_sampling_metadata"]

@@ -1,8 +1,12 @@
-"""Greedy / temperature / min-p / top-k / top-p sampling with position-keyed seeds.
+"""The sampler: logits of the batch's sampling rows -> next tokens (+ logprobs).
 
-Randomness for a seeded request depends only on (seed, output position), never on what else
-is in the batch or on generator state, so a request resumes identically after preemption or
-on another worker.
+Order (DESIGN.md, execution chain step 5, vLLM's semantics): snapshot for raw logprobs ->
+float32 -> allowed_token_ids -> bad words -> min_tokens -> logit_bias -> penalties -> greedy
+argmax, or temperature -> min_p -> top-k -> top-p -> (snapshot for processed logprobs) ->
+sample -> top logprobs with the sampled token's value and rank.
+
+Every step works on the whole batch at once and is skipped when no row needs it (its metadata
+is None). The logits are changed in place. Randomness: see `random.py`.
 """
 
 from __future__ import annotations
@@ -11,96 +15,153 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.sampler import block_topk, processors, topk_topp
+from services.worker.sampler.logprobs import scatter_rows, top_logprobs
 from services.worker.sampler.metadata import SamplingMetadata
-
-_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant to spread (seed, position) pairs
+from services.worker.sampler.penalties import apply_penalties
+from services.worker.sampler.random import row_uniforms, sample_candidates, sample_inverse_cdf
+from services.worker.sampler.topk_topp import Cutoffs, mask_below, rows_of
 
 
 @dataclass
 class SamplerResult:
     sampled_token_ids: torch.Tensor  # [num_reqs] int64
-    # With logprobs requested: [num_reqs, 1 + max_logprobs] ids / values, sampled token first.
+    # With logprobs requested: [num_reqs, 1 + max_logprobs] ids / values, sampled token first;
+    # rows that asked for none hold zeros.
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     sampled_ranks: torch.Tensor | None = None  # [num_reqs] 1-based rank of the sampled token
 
 
 class Sampler:
-    def __init__(self) -> None:
-        self._unseeded = torch.Generator()
-        self._unseeded.seed()
+    def __init__(self, seed: int | None = None) -> None:
+        self._generator = torch.Generator()  # unseeded rows only
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+        self._buffers: dict[str, torch.Tensor] = {}  # logprobs snapshots, reused across steps
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerResult:
-        """logits: [num_reqs, vocab_size] -> one token per row."""
-        raw_logprobs = None
-        if meta.max_num_logprobs >= 0:
-            raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        """logits: [num_reqs, vocab_size], modified in place -> one token per row."""
+        if not len(logits):
+            return SamplerResult(torch.empty(0, dtype=torch.long, device=logits.device))
+        lp = meta.logprobs
+        raw = self._raw(logits, meta) if lp is not None else None
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
-        if meta.all_greedy:
-            sampled = greedy
-        else:
-            sampled = torch.where(meta.greedy_mask, greedy, self._sample(logits, meta))
+        apply_logit_processors(logits, meta)
+        if meta.penalties is not None:
+            apply_penalties(logits, meta.penalties)
+        sampled, processed = self._sample(logits, meta)
         result = SamplerResult(sampled_token_ids=sampled)
-        if raw_logprobs is not None:
-            self._gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs, result)
+        if lp is not None:
+            _attach_logprobs(result, meta, raw, processed)
         return result
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        temperature = torch.where(meta.greedy_mask, 1.0, meta.temperature)
-        logits = logits / temperature.unsqueeze(1)
-        if bool((meta.min_p > 0).any()):
-            logits = apply_min_p(logits, meta.min_p)
-        if bool((meta.top_k > 0).any()) or bool((meta.top_p < 1).any()):
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = logits.softmax(dim=-1)
-        noise = self._exponential_noise(probs.shape, meta)
-        return probs.div_(noise).argmax(dim=-1)  # exponential race == sampling from probs
+    def _sample(
+        self, logits: torch.Tensor, meta: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        lp = meta.logprobs
+        processed_rows = lp.processed_rows if lp is not None else None
+        greedy = None if meta.all_random else block_topk.argmax(logits)
+        if meta.all_greedy:
+            return greedy, self._snapshot("processed", logits, processed_rows)
+        if meta.needs_temperature:
+            topk_topp.apply_temperature(logits, meta.temperature)
+        cut = None
+        if meta.filters is not None:
+            cut = topk_topp.compute_cutoffs(logits, meta.filters)
+        processed = self._snapshot("processed", logits, processed_rows)
+        if processed is not None and cut is not None:
+            mask_below(processed, cut.threshold[processed_rows])
+        u = row_uniforms(meta.seeded, meta.seeds, meta.output_positions, self._generator)
+        sampled = draw(logits, meta.random_rows, cut, u)
+        if greedy is not None:
+            sampled = torch.where(meta.greedy_mask, greedy, sampled)
+        return sampled, processed
 
-    def _exponential_noise(self, shape: torch.Size, meta: SamplingMetadata) -> torch.Tensor:
-        noise = torch.empty(shape).exponential_(generator=self._unseeded)
-        seeds, positions = meta.seeds.tolist(), meta.output_positions.tolist()
-        for row, (seed, pos) in enumerate(zip(seeds, positions, strict=True)):
-            if seed >= 0:
-                gen = torch.Generator().manual_seed(position_seed(seed, pos))
-                noise[row].exponential_(generator=gen)
-        return noise
+    def _raw(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
+        """Raw logits of the rows with a raw_* logprobs mode, safe from in-place steps."""
+        rows = meta.logprobs.raw_rows
+        if rows is not None and logits.dtype == torch.float32 and meta.changes_logits:
+            return self._snapshot("raw", logits, rows)
+        return None if rows is None else rows_of(logits, rows).float()
 
-    @staticmethod
-    def _gather_logprobs(
-        logprobs: torch.Tensor, sampled: torch.Tensor, k: int, result: SamplerResult
-    ) -> None:
-        sampled_lp = logprobs.gather(1, sampled.unsqueeze(1))  # [num_reqs, 1]
-        top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], sampled[:0])
-        result.logprob_token_ids = torch.cat(
-            (sampled.unsqueeze(1), top_ids.view(len(sampled), -1)), 1
-        )
-        result.logprobs = torch.cat((sampled_lp, top_lp), dim=1)
-        result.sampled_ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
-
-
-def position_seed(seed: int, position: int) -> int:
-    """A 63-bit generator seed derived from (request seed, output position) alone."""
-    return ((seed * _SEED_MIX) ^ (position * 0xBF58476D1CE4E5B9) ^ position) % (2**63 - 1)
+    def _snapshot(
+        self, name: str, logits: torch.Tensor, rows: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """fp32 copy of logits[rows] ([r, vocab]) in a buffer kept across steps (no fresh
+        50 MB allocation per step), or None without rows."""
+        if rows is None:
+            return None
+        src = rows_of(logits, rows)
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[0] < len(src) or buf.shape[1:] != src.shape[1:]:
+            buf = torch.empty(src.shape, dtype=torch.float32, device=src.device)
+            self._buffers[name] = buf
+        return buf[: len(src)].copy_(src)
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the top token's probability."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+def draw(
+    logits: torch.Tensor, rows: torch.Tensor, cut: Cutoffs | None, u: torch.Tensor
 ) -> torch.Tensor:
-    """Keep the k most likely tokens (k=0: all), then the smallest set whose mass reaches p."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [num_reqs]
-    ranks = torch.arange(vocab).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+    """One token for each of `rows` ([n] result; other rows hold 0). Rows with a small kept
+    set sample from it; the others from their full (masked) row."""
+    tokens = torch.zeros(len(logits), dtype=torch.long, device=logits.device)
+    full = rows
+    if cut is not None and cut.small_rows is not None:
+        tokens[cut.small_rows] = sample_candidates(
+            cut.small_values, cut.small_ids, u[cut.small_rows]
+        )
+        is_full = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)
+        is_full[rows] = True
+        is_full[cut.small_rows] = False
+        full = torch.nonzero(is_full).squeeze(1)
+    if full.numel():
+        x = rows_of(logits, full)
+        if cut is not None:
+            mask_below(x, rows_of(cut.threshold, full))
+        tokens[full] = sample_inverse_cdf(x, u[full])
+    return tokens
+
+
+def apply_logit_processors(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """Whitelist, bad words, then the processors that can change greedy results."""
+    if meta.allowed is not None:
+        processors.apply_allowed_token_ids(logits, meta.allowed)
+    if meta.bad_words is not None:
+        processors.apply_bad_words(logits, meta.bad_words)
+    if meta.min_tokens is not None:
+        processors.ban_tokens(logits, meta.min_tokens)
+    if meta.logit_bias is not None:
+        processors.apply_logit_bias(logits, meta.logit_bias)
+
+
+def apply_filters(logits: torch.Tensor, meta: SamplingMetadata) -> Cutoffs | None:
+    """Temperature, then min_p, top-k and top-p masked into every row (greedy rows have them
+    off). The sampler itself avoids the full masking where a row keeps few tokens."""
+    if meta.needs_temperature:
+        topk_topp.apply_temperature(logits, meta.temperature)
+    if meta.filters is None:
+        return None
+    return topk_topp.apply_filters_to_logits(logits, meta.filters)
+
+
+def _attach_logprobs(
+    result: SamplerResult,
+    meta: SamplingMetadata,
+    raw: torch.Tensor | None,
+    processed: torch.Tensor | None,
+) -> None:
+    lp, sampled = meta.logprobs, result.sampled_token_ids
+    parts = [
+        (rows, top_logprobs(values, sampled[rows], lp.max_num, lp.as_logprobs[rows]))
+        for rows, values in ((lp.raw_rows, raw), (lp.processed_rows, processed))
+        if rows is not None
+    ]
+    top = scatter_rows(parts, len(sampled))
+    result.logprob_token_ids, result.logprobs, result.sampled_ranks = (
+        top.token_ids,
+        top.values,
+        top.ranks,
+    )

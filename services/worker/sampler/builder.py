@@ -1,0 +1,176 @@
+"""SamplingMetadata for one step's sampled rows, gathered from the persistent batch.
+
+Every field is a numpy gather over the step's rows (no loop over requests); a feature that no
+row uses becomes None, and host-side flags (all greedy, any temperature, max top-k) spare the
+sampler any device sync to find out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from services.worker.sampler.metadata import (
+    Allowed,
+    BadWords,
+    Filters,
+    LogprobsSpec,
+    Penalties,
+    SamplingMetadata,
+    TokenRows,
+)
+from services.worker.sampler.tables import TokenTable
+from shared.sampling_validation import GREEDY_EPS
+
+if TYPE_CHECKING:
+    from services.worker.input_batch import InputBatch
+
+
+def build_sampling_metadata(
+    batch: InputBatch,
+    rows: np.ndarray,
+    vocab_size: int,
+    eos_token_ids: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> SamplingMetadata:
+    """rows: [n] persistent-batch rows, in the order of the logits' rows."""
+    dev = torch.device(device)
+    temperature = batch.temperature[rows]
+    greedy = temperature < GREEDY_EPS
+    output_len = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+    return SamplingMetadata(
+        temperature=_tensor(temperature, dev),
+        all_greedy=bool(greedy.all()),
+        all_random=bool(greedy.size) and not bool(greedy.any()),
+        needs_temperature=bool((~greedy & (temperature != 1.0)).any()),
+        random_rows=_tensor(np.flatnonzero(~greedy), dev),
+        seeded=_tensor(batch.has_seed[rows], dev),
+        seeds=_tensor(batch.seed[rows], dev),
+        output_positions=_tensor(output_len, dev),
+        filters=_filters(batch, rows, vocab_size, dev),
+        allowed=_allowed(batch, rows, vocab_size, dev),
+        bad_words=_bad_words(batch, rows, dev),
+        min_tokens=_min_tokens(batch, rows, output_len, eos_token_ids, dev),
+        logit_bias=_token_rows(batch.logit_bias, rows, dev),
+        penalties=_penalties(batch, rows, dev),
+        logprobs=_logprobs(batch, rows, dev),
+    )
+
+
+def _tensor(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(arr)).to(device)
+
+
+def _filters(
+    batch: InputBatch, rows: np.ndarray, vocab: int, device: torch.device
+) -> Filters | None:
+    """Greedy rows have every filter off already (InputBatch._set_sampling)."""
+    min_p, top_p = batch.min_p[rows], batch.top_p[rows]
+    top_k = np.where(batch.top_k[rows] < vocab, batch.top_k[rows], 0)  # k >= vocab keeps all
+    sel = np.flatnonzero((min_p > 0.0) | (top_k > 0) | (top_p < 1.0))
+    if not sel.size:
+        return None
+    return Filters(
+        rows=_tensor(sel, device),
+        min_p=_tensor(min_p[sel], device),
+        top_k=_tensor(top_k[sel], device),
+        top_p=_tensor(top_p[sel], device),
+        max_top_k=int(top_k[sel].max()),
+        any_top_p=bool((top_p[sel] < 1.0).any()),
+    )
+
+
+def _allowed(
+    batch: InputBatch, rows: np.ndarray, vocab: int, device: torch.device
+) -> Allowed | None:
+    sel = np.flatnonzero(batch.allowed_token_ids.has[rows])
+    if not sel.size:
+        return None
+    banned = batch.allowed_token_ids.unpack(rows[sel], vocab)
+    np.logical_not(banned, out=banned)
+    return Allowed(_tensor(sel, device), _tensor(banned, device))
+
+
+def _token_rows(table: TokenTable, rows: np.ndarray, device: torch.device) -> TokenRows | None:
+    sel = np.flatnonzero(table.has[rows])
+    if not sel.size:
+        return None
+    picked = rows[sel]
+    values = None if table.values is None else _tensor(table.values[picked], device)
+    return TokenRows(_tensor(sel, device), _tensor(table.ids[picked], device), values)
+
+
+def _bad_words(batch: InputBatch, rows: np.ndarray, device: torch.device) -> BadWords | None:
+    sel = np.flatnonzero(batch.bad_words.has[rows])
+    if not sel.size:
+        return None
+    picked = rows[sel]
+    words = batch.bad_words.words[picked]  # [r, num_words, word_len]
+    positions = batch.num_tokens[picked, None] - words.shape[2] + 1 + np.arange(words.shape[2] - 1)
+    in_output = positions >= batch.num_prompt_tokens[picked, None]  # [r, word_len - 1]
+    tokens = batch.token_ids[picked[:, None], np.maximum(positions, 0)]
+    history = np.where(in_output, tokens, -2)
+    return BadWords(_tensor(sel, device), _tensor(words, device), _tensor(history, device))
+
+
+def _min_tokens(
+    batch: InputBatch,
+    rows: np.ndarray,
+    output_len: np.ndarray,
+    eos_token_ids: Sequence[int],
+    device: torch.device,
+) -> TokenRows | None:
+    """Rows still below min_tokens, with their stop ids and every EOS id to ban (vLLM bans
+    EOS there even with ignore_eos)."""
+    eos = np.asarray(eos_token_ids, dtype=np.int64)
+    below = output_len < batch.min_tokens[rows]
+    has_stop = batch.stop_token_ids.has[rows]
+    sel = np.flatnonzero(below & (has_stop | (eos.size > 0)))
+    if not sel.size:
+        return None
+    stop = batch.stop_token_ids.ids[rows[sel]]  # [r, width]
+    if eos.size:  # rows without stop ids repeat an EOS id instead
+        stop = np.where(has_stop[sel, None], stop, eos[0])
+    ids = np.concatenate((stop, np.broadcast_to(eos, (sel.size, eos.size))), axis=1)
+    return TokenRows(_tensor(sel, device), _tensor(ids, device))
+
+
+def _penalties(batch: InputBatch, rows: np.ndarray, device: torch.device) -> Penalties | None:
+    rep, freq = batch.repetition_penalty[rows], batch.frequency_penalty[rows]
+    pres = batch.presence_penalty[rows]
+    sel = np.flatnonzero((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
+    if not sel.size:
+        return None
+    picked = rows[sel]
+    lengths = batch.num_tokens[picked, None]  # [r, 1]
+    positions = np.arange(int(lengths.max()))
+    in_history = positions < lengths  # [r, max_len]
+    ids = batch.token_ids[picked, : positions.size]
+    ids = np.where(in_history, ids, ids[:, :1])
+    is_output = in_history & (positions >= batch.num_prompt_tokens[picked, None])
+    return Penalties(
+        rows=_tensor(sel, device),
+        token_ids=_tensor(ids, device),
+        is_output=_tensor(is_output, device),
+        repetition=_tensor(rep[sel], device),
+        frequency=_tensor(freq[sel], device),
+        presence=_tensor(pres[sel], device),
+    )
+
+
+def _logprobs(batch: InputBatch, rows: np.ndarray, device: torch.device) -> LogprobsSpec | None:
+    num = batch.num_logprobs[rows]
+    wanted = num >= 0
+    if not wanted.any():
+        return None
+    mode = batch.logprobs_mode[rows]  # 0 raw_logprobs, 1 raw_logits, 2 processed_*, 3 ...
+    raw, processed = np.flatnonzero(wanted & (mode < 2)), np.flatnonzero(wanted & (mode >= 2))
+    return LogprobsSpec(
+        num_logprobs=num.tolist(),
+        raw_rows=_tensor(raw, device) if raw.size else None,
+        processed_rows=_tensor(processed, device) if processed.size else None,
+        as_logprobs=_tensor(mode % 2 == 0, device),
+    )

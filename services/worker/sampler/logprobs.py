@@ -1,0 +1,82 @@
+"""Logprobs of sampled tokens: the sampled token's value and 1-based rank plus the top-k.
+
+Values come from a snapshot of the logits at the requested stage (raw or processed), taken
+before the sampler changes them in place. `*_logprobs` modes subtract the row's logsumexp,
+`*_logits` modes report the logits themselves. The rank counts tokens whose value is >= the
+sampled token's (vLLM's rule), so ties share the worse rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.sampler.block_topk import topk
+from services.worker.sampler.chunking import row_chunks
+
+_RANK_WINDOW = 64
+
+
+@dataclass
+class TopLogprobs:
+    token_ids: torch.Tensor  # [r, 1 + k] int64, the sampled (or target) token first
+    values: torch.Tensor  # [r, 1 + k] fp32
+    ranks: torch.Tensor  # [r] int64, 1-based rank of the first token
+
+
+def top_logprobs(
+    values: torch.Tensor, token_ids: torch.Tensor, num_top: int, as_logprobs: torch.Tensor
+) -> TopLogprobs:
+    """values: [r, vocab] logits, token_ids: [r], as_logprobs: [r] bool -> TopLogprobs."""
+    num_top = min(num_top, values.shape[1])
+    parts = [
+        _top_logprobs(values[s], token_ids[s], num_top, as_logprobs[s]) for s in row_chunks(values)
+    ]
+    return TopLogprobs(
+        torch.cat([p.token_ids for p in parts]),
+        torch.cat([p.values for p in parts]),
+        torch.cat([p.ranks for p in parts]),
+    )
+
+
+def _top_logprobs(
+    values: torch.Tensor, token_ids: torch.Tensor, num_top: int, as_logprobs: torch.Tensor
+) -> TopLogprobs:
+    width = min(values.shape[1], max(num_top, _RANK_WINDOW))  # 64: ranks come free for most tokens
+    window, window_ids = topk(values, width)  # [r, width] descending
+    top_values, top_ids = window[:, :num_top], window_ids[:, :num_top]
+    chosen = values.gather(1, token_ids.unsqueeze(1))  # [r, 1]
+    out = torch.cat((chosen, top_values), dim=1)  # [r, 1 + k]
+    if bool(as_logprobs.any()):
+        lse = values.logsumexp(dim=1, keepdim=True)
+        out = out - torch.where(as_logprobs.unsqueeze(1), lse, torch.zeros_like(lse))
+    ids = torch.cat((token_ids.unsqueeze(1), top_ids), dim=1)
+    return TopLogprobs(ids, out, _ranks(values, window, chosen))
+
+
+def _ranks(values: torch.Tensor, window: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """[r] count of values >= chosen: from the topk window when the token lies strictly
+    inside it, else by a pass over the row."""
+    ranks = (window >= chosen).sum(dim=1)
+    if window.shape[1] == values.shape[1]:
+        return ranks
+    outside = torch.nonzero(chosen[:, 0] <= window[:, -1]).squeeze(1)
+    if outside.numel():
+        ge = values[outside] >= chosen[outside]
+        ranks[outside] = ge.view(torch.uint8).sum(dim=1, dtype=torch.int32).long()
+    return ranks
+
+
+def scatter_rows(parts: list[tuple[torch.Tensor, TopLogprobs]], n: int) -> TopLogprobs:
+    """Place each (rows, TopLogprobs) part into [n, ...] tensors; other rows hold zeros."""
+    width = max(p.token_ids.shape[1] for _, p in parts)
+    device = parts[0][1].values.device
+    ids = torch.zeros((n, width), dtype=torch.long, device=device)
+    values = torch.zeros((n, width), device=device)
+    ranks = torch.zeros(n, dtype=torch.long, device=device)
+    for rows, part in parts:
+        ids[rows] = part.token_ids
+        values[rows] = part.values
+        ranks[rows] = part.ranks
+    return TopLogprobs(ids, values, ranks)

@@ -1,0 +1,45 @@
+"""Token-level logit processors, in place: allowed-token whitelist, bad words, min_tokens and
+logit_bias. Each touches only the rows (and, but for the whitelist, only the tokens) it names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.sampler.metadata import Allowed, BadWords, TokenRows
+from services.worker.sampler.topk_topp import on_rows
+
+_NEG_INF = float("-inf")
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, allowed: Allowed) -> None:
+    """Every token outside a row's whitelist becomes -inf."""
+    on_rows(logits, allowed.rows, lambda x: torch.where(allowed.banned, _neg_inf(x), x, out=x))
+
+
+def apply_bad_words(logits: torch.Tensor, bad: BadWords) -> None:
+    """Ban a word's last token when the output so far ends with the rest of the word.
+
+    Single-token words are always banned; a word longer than the output plus one never
+    matches (its prefix meets the -2 before the output).
+    """
+    prefix = bad.words[:, :, :-1]  # [r, num_words, word_len - 1]
+    history = bad.history.unsqueeze(1)  # [r, 1, word_len - 1]
+    match = ((prefix == -1) | (prefix == history)).all(dim=2)  # [r, num_words]
+    row, word = match.nonzero(as_tuple=True)
+    logits[bad.rows[row], bad.words[row, word, -1]] = _NEG_INF
+
+
+def ban_tokens(logits: torch.Tensor, ban: TokenRows) -> None:
+    """-inf at each row's listed ids (min_tokens: stop ids and EOS until reached)."""
+    logits[ban.rows.unsqueeze(1), ban.token_ids] = _NEG_INF
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: TokenRows) -> None:
+    """Add each row's bias to its listed ids (padding adds 0)."""
+    rows = bias.rows.unsqueeze(1).expand_as(bias.token_ids)
+    logits.index_put_((rows, bias.token_ids), bias.values, accumulate=True)
+
+
+def _neg_inf(x: torch.Tensor) -> torch.Tensor:
+    return x.new_tensor(_NEG_INF)  # a 0-dim tensor: torch.where(..., out=) wants tensors

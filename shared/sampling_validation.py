@@ -1,0 +1,162 @@
+"""Range checks for `SamplingParams`, with vLLM's ranges and wording; no torch.
+
+`validate_sampling_params(params, vocab_size)` raises `SamplingParamsError(message, param)`;
+the gateway turns it into a 400 with `param` set, the scheduler may call it as well. `param`
+names the API field: the `SamplingParams` field name, except `bad_words_token_ids`, which is
+reported as `bad_words` (the field a client sends).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from shared.protocol import SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_ABS_LOGIT_BIAS = 100.0
+GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter out of range; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def validate_sampling_params(params: SamplingParams, vocab_size: int) -> None:
+    """Raise `SamplingParamsError` for the first invalid parameter, else return None."""
+    for check in _CHECKS:
+        check(params, vocab_size)
+
+
+def _fail(message: str, param: str) -> None:
+    raise SamplingParamsError(message, param)
+
+
+def _check_n(p: SamplingParams, _: int) -> None:
+    if p.n < 1:
+        _fail(f"n must be at least 1, got {p.n}.", "n")
+    if p.n > 1 and math.isfinite(p.temperature) and p.temperature < GREEDY_EPS:
+        _fail(f"n must be 1 when using greedy sampling, got {p.n}.", "n")
+
+
+def _check_penalties(p: SamplingParams, _: int) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not -2.0 <= value <= 2.0:
+            _fail(f"{name} must be in [-2, 2], got {value}.", name)
+    rep = p.repetition_penalty
+    if not math.isfinite(rep):
+        _fail(f"repetition_penalty must be a finite number, got {rep}.", "repetition_penalty")
+    if rep <= 0.0:
+        _fail(f"repetition_penalty must be greater than zero, got {rep}.", "repetition_penalty")
+
+
+def _check_temperature(p: SamplingParams, _: int) -> None:
+    t = p.temperature
+    if not math.isfinite(t):
+        _fail(f"temperature must be a finite number, got {t}.", "temperature")
+    if t < 0.0:
+        _fail(f"temperature must be non-negative, got {t}.", "temperature")
+    if t > 2.0:
+        _fail(f"temperature must be in [0, 2], got {t}.", "temperature")
+
+
+def _check_filters(p: SamplingParams, _: int) -> None:
+    if not 0.0 < p.top_p <= 1.0:
+        _fail(f"top_p must be in (0, 1], got {p.top_p}.", "top_p")
+    if p.top_k < -1:
+        _fail(f"top_k must be 0 (disable), or at least 1, got {p.top_k}.", "top_k")
+    if not 0.0 <= p.min_p <= 1.0:
+        _fail(f"min_p must be in [0, 1], got {p.min_p}.", "min_p")
+
+
+def _check_lengths(p: SamplingParams, _: int) -> None:
+    if p.max_tokens is not None and p.max_tokens < 1:
+        _fail(f"max_tokens must be at least 1, got {p.max_tokens}.", "max_tokens")
+    if p.min_tokens < 0:
+        _fail(f"min_tokens must be greater than or equal to 0, got {p.min_tokens}.", "min_tokens")
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        _fail(
+            f"min_tokens must be less than or equal to max_tokens={p.max_tokens}, "
+            f"got {p.min_tokens}.",
+            "min_tokens",
+        )
+
+
+def _check_logprobs(p: SamplingParams, _: int) -> None:
+    for name, label in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        value = getattr(p, name)
+        if value is None:
+            continue
+        if value < 0:
+            _fail(f"{name} must be non-negative, got {value}.", name)
+        if value > MAX_LOGPROBS:
+            _fail(
+                f"Requested {label} logprobs of {value}, which is greater than max allowed: "
+                f"{MAX_LOGPROBS}",
+                name,
+            )
+    if p.logprobs_mode not in LOGPROBS_MODES:
+        _fail(
+            f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got {p.logprobs_mode!r}.",
+            "logprobs_mode",
+        )
+
+
+def _check_seed(p: SamplingParams, _: int) -> None:
+    if p.seed is not None and not _INT64[0] <= p.seed <= _INT64[1]:
+        _fail(f"seed must fit in a signed 64-bit integer, got {p.seed}.", "seed")
+
+
+def _check_logit_bias(p: SamplingParams, vocab_size: int) -> None:
+    if not p.logit_bias:
+        return
+    _check_vocab(p.logit_bias, vocab_size, "logit_bias")
+    for token_id, bias in p.logit_bias.items():
+        if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+            _fail(
+                f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}.",
+                "logit_bias",
+            )
+
+
+def _check_token_lists(p: SamplingParams, vocab_size: int) -> None:
+    _check_vocab(p.stop_token_ids, vocab_size, "stop_token_ids")
+    if p.allowed_token_ids is not None:
+        if not p.allowed_token_ids:
+            _fail("allowed_token_ids is not None and empty!", "allowed_token_ids")
+        _check_vocab(p.allowed_token_ids, vocab_size, "allowed_token_ids")
+    for word in p.bad_words_token_ids or ():
+        if not word:
+            _fail("bad_words cannot contain an empty word.", "bad_words")
+        _check_vocab(word, vocab_size, "bad_words")
+
+
+def _check_vocab(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
+    invalid = [t for t in token_ids if not 0 <= t < vocab_size]
+    if invalid:
+        _fail(
+            f"token_id(s) {invalid} in {param} contain out-of-vocab token ids. "
+            f"Vocabulary size: {vocab_size}",
+            param,
+        )
+
+
+_CHECKS: tuple[Callable[[SamplingParams, int], None], ...] = (
+    _check_n,
+    _check_temperature,
+    _check_filters,
+    _check_penalties,
+    _check_lengths,
+    _check_logprobs,
+    _check_seed,
+    _check_logit_bias,
+    _check_token_lists,
+)
