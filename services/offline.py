@@ -42,6 +42,7 @@ class GenerationOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def kv_cache_blocks(
@@ -164,6 +165,8 @@ class LLM:
         completion = gen.outputs[index]
         completion.token_ids.extend(out.new_token_ids)
         completion.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None and index == 0:  # a part per prefill chunk, in order
+            gen.prompt_logprobs = [*(gen.prompt_logprobs or []), *out.prompt_logprobs]
         gen.num_cached_tokens = out.num_cached_tokens
         if out.finish_reason is not None:
             completion.finish_reason = out.finish_reason.value

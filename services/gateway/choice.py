@@ -73,8 +73,8 @@ class ChoiceState:
         prompt_len = len(self.spec.prompt_ids)
         self.num_cached_tokens = min(max(self.num_cached_tokens, delta.num_cached_tokens),
                                      prompt_len)
-        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.prompt_logprobs is not None:  # one part per prefill chunk, in order
+            self.prompt_logprobs = [*(self.prompt_logprobs or []), *delta.prompt_logprobs]
         engine_stopped = delta.finish_reason == "stop"
         last = len(delta.new_token_ids) - 1
         for i, token_id in enumerate(delta.new_token_ids):

@@ -13,6 +13,7 @@ import msgspec
 from services.gateway.errors import APIError
 from services.gateway.protocol import SamplingFields
 from shared.protocol import SamplingParams
+from shared.sampling_validation import SamplingParamsError, validate_sampling_params
 from shared.tokenizer import Tokenizer
 
 _PASS_THROUGH = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -100,6 +101,10 @@ def build_sampling_params(req: SamplingFields, tokenizer: Tokenizer, *, max_toke
         logit_bias=_logit_bias(req.logit_bias, vocab),
         allowed_token_ids=req.allowed_token_ids,
         bad_words_token_ids=_bad_words(req.bad_words, tokenizer), **fields)
+    try:
+        validate_sampling_params(params, vocab)
+    except SamplingParamsError as exc:
+        raise APIError(400, exc.message, exc.param) from exc
     if params.greedy and req.n > 1:
         raise APIError(400, f"n must be 1 when using greedy sampling, got {req.n}", "n")
     return params

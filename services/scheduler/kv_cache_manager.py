@@ -58,8 +58,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request, never covering its last token."""
-        if not self.pool.enable_caching:
-            return [], 0
+        if not self.pool.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in self.block_hashes(request)[:max_blocks]:

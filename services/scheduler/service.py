@@ -36,6 +36,7 @@ from shared.protocol import (
     decoder,
     encode,
 )
+from shared.sampling_validation import SamplingParamsError, validate_sampling_params
 from shared.subjects import Subjects
 
 log = logging.getLogger("skiff.scheduler")
@@ -136,6 +137,11 @@ class SchedulerService:
             return SubmitReply(accepted=False, status=429, message="the request queue is full")
         if sub.req_id in self.placement:
             return SubmitReply(accepted=False, status=400, message="duplicate request id")
+        vocab_size = min(w.hello.vocab_size for w in self.pool.workers.values())
+        try:
+            validate_sampling_params(sub.sampling_params, vocab_size)
+        except SamplingParamsError as exc:
+            return SubmitReply(accepted=False, status=400, message=f"{exc.param}: {exc.message}")
         max_len = self.pool.max_model_len
         num_tokens = len(sub.prompt_token_ids) + len(sub.output_token_ids)
         if num_tokens >= max_len or not sub.prompt_token_ids:
