@@ -2,7 +2,8 @@
 
 Peers run side by side in this one process and are reported as ratios, never against a fixed
 number: the machine is shared and noisy. Sections: the offline engine vs transformers static
-batches, single-request decode speed, and (with --served) the HTTP path through a real stack.
+batches, single-request decode speed, the HTTP path through a real stack (--no-served skips
+it) and the sampler's cost per step (--no-sampler skips it).
 The last line is `throughput ratio vs transformers: X.XX`.
 """
 
@@ -81,6 +82,8 @@ def main() -> None:
     )
     p.add_argument("--no-served", dest="served", action="store_false",
                    help="skip the HTTP path through a real stack")
+    p.add_argument("--no-sampler", dest="sampler", action="store_false",
+                   help="skip the sampler section")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu.json"))
     args = p.parse_args()
     torch.manual_seed(0)
@@ -127,6 +130,13 @@ def main() -> None:
         rows.append(("skiff served (HTTP -> NATS -> worker)", served["tokens_per_s"]))
         served["vs_in_process"] = served["tokens_per_s"] / rows[0][1]
 
+    sampler_rows = None
+    if args.sampler:
+        from bench.sampler_bench import report, run_sampler_bench
+
+        del llm, hf  # free memory before the sampler section loads its own engine
+        sampler_rows = run_sampler_bench()
+
     best_hf = max(hf_rates.values())
     print(f"\n{'path':<52} {'output tok/s':>12} {'vs best HF':>10}")
     for name, rate in rows:
@@ -138,6 +148,9 @@ def main() -> None:
     if served:
         print(f"served / in-process throughput: {served['vs_in_process']:.2f}")
         print(json.dumps(served, indent=2))
+    if sampler_rows:
+        print("\nsampler per step (batched vs a naive per-request loop, same run):")
+        report(sampler_rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps(
@@ -145,6 +158,7 @@ def main() -> None:
                 "rows": rows,
                 "single_decode": {"skiff": ours_single, "transformers": hf_single},
                 "served": served,
+                "sampler": sampler_rows,
             },
             indent=2,
         )
