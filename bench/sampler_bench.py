@@ -190,7 +190,7 @@ def run_sampler_bench(device: str = "cpu") -> list[dict]:
     llm = LLM(max_num_batched_tokens=8 * DECODE_BATCH, max_num_seqs=DECODE_BATCH, device=device)
     forward_ms, head_ms, step_logits = decode_step(llm, DECODE_BATCH)
     mc = llm.runner.model_config
-    eos = (mc.eos_token_id, *mc.extra_eos_token_ids) if mc.eos_token_id is not None else ()
+    eos = mc.eos_token_ids
     sampler, rows = Sampler(seed=0), []
     for n in BATCHES:
         logits = step_logits[torch.arange(n) % len(step_logits)].contiguous()

@@ -16,7 +16,7 @@ import msgspec
 
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput, Scheduler
-from services.worker.model_runner import ModelRunner, RunnerConfig
+from services.worker.model_runner import build_runner
 from shared.config import SchedulerConfig
 from shared.protocol import BatchPlan, SamplerOutput, SamplingParams, TokenLogprobs, decoder, encode
 from shared.tokenizer import Tokenizer
@@ -45,20 +45,6 @@ class GenerationOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
-def kv_cache_blocks(
-    runner_dims: tuple[int, int, int], block_size: int, gib: float, dtype_bytes: int
-) -> int:
-    """Number of KV blocks that fit in `gib` for (layers, kv_heads, head_dim)."""
-    layers, kv_heads, head_dim = runner_dims
-    per_block = 2 * layers * block_size * kv_heads * head_dim * dtype_bytes
-    return max(1, int(gib * 2**30) // per_block)
-
-
-def eos_ids(mc) -> tuple[int, ...]:
-    """All token ids that end generation for this model."""
-    return () if mc.eos_token_id is None else (mc.eos_token_id, *mc.extra_eos_token_ids)
-
-
 class LLM:
     def __init__(
         self,
@@ -79,24 +65,18 @@ class LLM:
             from services.worker.gguf_convert import ensure_default_model
 
             model = ensure_default_model()
-        from services.worker.model_config import ModelConfig
-
-        mc = ModelConfig.from_dir(model)
-        if num_blocks is None:
-            dims = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
-            dtype_bytes = 2 if dtype in ("float16", "bfloat16") else 4
-            num_blocks = kv_cache_blocks(dims, block_size, kv_cache_gib, dtype_bytes)
-        self.runner = ModelRunner(
-            RunnerConfig(
-                model_dir=str(model),
-                block_size=block_size,
-                num_blocks=num_blocks,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                device=device,
-                dtype=dtype,
-            )
+        self.runner = build_runner(
+            str(model),
+            kv_cache_gib=kv_cache_gib,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            device=device,
+            dtype=dtype,
         )
+        mc = self.runner.model_config
+        num_blocks = self.runner.config.num_blocks
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -106,7 +86,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
             ),
             num_blocks,
-            eos_token_ids=eos_ids(mc),
+            eos_token_ids=mc.eos_token_ids,
         )
         self.tokenizer = Tokenizer(model)
         self.serialize_messages = serialize_messages

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
+import signal
 
 
 def env_default(name: str, default, cast=str):
@@ -47,3 +49,12 @@ def setup_logging(level: str, service: str) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter(service))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+async def wait_for_signal() -> None:
+    """Return on the first SIGTERM or SIGINT (then the service drains and stops)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

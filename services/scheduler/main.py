@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 
 from prometheus_client import start_http_server
 
 from services.scheduler.service import SchedulerService, ServiceConfig
-from shared.cli_args import add_common, env_default, setup_logging
+from shared.cli_args import add_common, env_default, setup_logging, wait_for_signal
 from shared.config import SchedulerConfig
 
 
@@ -57,11 +56,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=service.metrics.registry)
     await service.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_signal()
     await service.drain()
 
 

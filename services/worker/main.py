@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 
-from services.worker.service import WorkerService, WorkerServiceConfig, build_runner
-from shared.cli_args import add_common, env_default, setup_logging
+from services.worker.model_runner import build_runner
+from services.worker.service import WorkerService, WorkerServiceConfig
+from shared.cli_args import add_common, env_default, setup_logging, wait_for_signal
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,12 +37,12 @@ async def serve(args: argparse.Namespace) -> None:
         model = str(ensure_default_model())
     runner = build_runner(
         model,
-        args.kv_cache_gib,
-        args.block_size,
-        args.max_num_seqs,
-        args.max_model_len,
-        args.device,
-        args.dtype,
+        kv_cache_gib=args.kv_cache_gib,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        device=args.device,
+        dtype=args.dtype,
     )
     from shared.default_model import DEFAULT_MODEL_NAME
 
@@ -57,11 +57,7 @@ async def serve(args: argparse.Namespace) -> None:
         runner,
     )
     await service.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_signal()
     await service.stop()
 
 

@@ -37,6 +37,11 @@ class ModelConfig:
     eos_token_id: int | None
     extra_eos_token_ids: tuple[int, ...]
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every token id that ends generation."""
+        return () if self.eos_token_id is None else (self.eos_token_id, *self.extra_eos_token_ids)
+
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")

@@ -73,8 +73,12 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs:
             self.decode_graphs = DecodeGraphs(
-                self.model, self.kv_caches, config.max_num_seqs,
-                -(-self.max_model_len // config.block_size), self.max_model_len, self.device,
+                self.model,
+                self.kv_caches,
+                config.max_num_seqs,
+                -(-self.max_model_len // config.block_size),
+                self.max_model_len,
+                self.device,
             )
             self.decode_graphs.capture()
 
@@ -184,7 +188,7 @@ class ModelRunner:
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         mc = self.model_config
-        eos = () if mc.eos_token_id is None else (mc.eos_token_id, *mc.extra_eos_token_ids)
+        eos = mc.eos_token_ids
         return build_sampling_metadata(self.batch, rows, mc.vocab_size, eos, self.device)
 
     def _write_back(
@@ -266,3 +270,37 @@ class ModelRunner:
             out[state.req_id] = [None] * (len(entries) - num_computed) + values
             state.num_prompt_logprobs_sent = entries.stop
         return out
+
+
+def num_kv_blocks(mc: ModelConfig, block_size: int, gib: float, dtype: str) -> int:
+    """How many KV blocks of all layers fit in `gib` GiB."""
+    dtype_bytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    per_block = 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * mc.head_dim
+    return max(1, int(gib * 2**30) // (per_block * dtype_bytes))
+
+
+def build_runner(
+    model_dir: str,
+    *,
+    kv_cache_gib: float = 1.0,
+    num_blocks: int | None = None,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_model_len: int = 2048,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> ModelRunner:
+    """A runner whose KV cache takes `kv_cache_gib` (or exactly `num_blocks` blocks)."""
+    if num_blocks is None:
+        num_blocks = num_kv_blocks(ModelConfig.from_dir(model_dir), block_size, kv_cache_gib, dtype)
+    return ModelRunner(
+        RunnerConfig(
+            model_dir=model_dir,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            device=device,
+            dtype=dtype,
+        )
+    )

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import msgspec
 from nats.aio.msg import Msg
 
-from services.worker.model_runner import ModelRunner, RunnerConfig
+from services.worker.model_runner import ModelRunner
 from shared import bus
 from shared.protocol import BatchPlan, WorkerHello, decoder, encode
 from shared.subjects import Subjects
@@ -44,7 +44,6 @@ class WorkerService:
 
     def hello(self) -> WorkerHello:
         r, mc = self.runner, self.runner.model_config
-        eos = [] if mc.eos_token_id is None else [mc.eos_token_id, *mc.extra_eos_token_ids]
         return WorkerHello(
             worker_id=self.config.worker_id,
             instance_id=self.instance_id,
@@ -54,7 +53,7 @@ class WorkerService:
             max_model_len=r.max_model_len,
             device=str(r.device),
             vocab_size=mc.vocab_size,
-            eos_token_ids=eos,
+            eos_token_ids=list(mc.eos_token_ids),
         )
 
     async def start(self) -> None:
@@ -110,32 +109,3 @@ class WorkerService:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             if self.nc.is_connected:
                 await self.nc.publish(self.subjects.worker_heartbeat, encode(self.hello()))
-
-
-def build_runner(
-    model_dir: str,
-    kv_cache_gib: float,
-    block_size: int,
-    max_num_seqs: int,
-    max_model_len: int,
-    device: str,
-    dtype: str,
-) -> ModelRunner:
-    from services.offline import kv_cache_blocks
-    from services.worker.model_config import ModelConfig
-
-    mc = ModelConfig.from_dir(model_dir)
-    dims = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
-    dtype_bytes = 2 if dtype in ("float16", "bfloat16") else 4
-    num_blocks = kv_cache_blocks(dims, block_size, kv_cache_gib, dtype_bytes)
-    return ModelRunner(
-        RunnerConfig(
-            model_dir=model_dir,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            device=device,
-            dtype=dtype,
-        )
-    )
