@@ -84,3 +84,11 @@ def test_logits_match_transformers(tiny_models, arch):
         full = prompt + tokens
         ref = hf_logits(model_dir, full)[len(prompt) - 1 :]  # [1 + num_decode, vocab]
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_transformers_does_not_mistake_our_kernels_package_for_the_hub_one():
+    import kernels  # ours, importable from the project root
+    from transformers.utils.import_utils import is_kernels_available
+
+    assert "skiff" in (kernels.__doc__ or "")
+    assert not is_kernels_available()
