@@ -87,8 +87,9 @@ def test_logits_match_transformers(tiny_models, arch):
 
 
 def test_transformers_does_not_mistake_our_kernels_package_for_the_hub_one():
-    import kernels  # ours, importable from the project root
     from transformers.utils.import_utils import is_kernels_available
+
+    import kernels  # ours, importable from the project root
 
     assert "skiff" in (kernels.__doc__ or "")
     assert not is_kernels_available()
