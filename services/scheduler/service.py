@@ -251,7 +251,9 @@ class SchedulerService:
                 wakeup.clear()
                 await wakeup.wait()
                 continue
-            self._note_scheduled(core, plan.num_scheduled_tokens)
+            now = time.monotonic()
+            for new in plan.new_reqs:  # first admission (or arrival on this worker)
+                self.metrics.queue_time.observe(now - core.requests[new.req_id].arrival_time)
             future = asyncio.get_running_loop().create_future()
             self.pending[(wid, plan.step_id)] = future
             data = encode(plan)
@@ -273,15 +275,6 @@ class SchedulerService:
             await self._publish_outputs(outputs)
             self.metrics.schedule_seconds.observe(t_sched + time.perf_counter() - t2)
             self._refresh_gauges()
-
-    def _note_scheduled(self, core, num_scheduled: dict[str, int]) -> None:
-        now = time.monotonic()
-        for req_id in num_scheduled:
-            request = core.requests[req_id]
-            if request.num_preemptions == 0 and request.num_computed_tokens == num_scheduled[
-                req_id
-            ] + max(request.num_cached_tokens, 0):
-                self.metrics.queue_time.observe(now - request.arrival_time)
 
     async def _publish_outputs(self, outputs: list[RequestOutput]) -> None:
         by_gateway: dict[str, list[TokenDelta]] = defaultdict(list)
