@@ -80,10 +80,15 @@ def main() -> None:
         default=8,
         help="batch 1 is slow: time it on this many requests (a rate, so comparable)",
     )
-    p.add_argument("--no-served", dest="served", action="store_false",
-                   help="skip the HTTP path through a real stack")
-    p.add_argument("--no-sampler", dest="sampler", action="store_false",
-                   help="skip the sampler section")
+    p.add_argument(
+        "--no-served",
+        dest="served",
+        action="store_false",
+        help="skip the HTTP path through a real stack",
+    )
+    p.add_argument(
+        "--no-sampler", dest="sampler", action="store_false", help="skip the sampler section"
+    )
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu.json"))
     args = p.parse_args()
     torch.manual_seed(0)

@@ -24,13 +24,18 @@ def _percentiles(values: list[float]) -> dict[str, float]:
         return {}
     values = sorted(values)
     pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
-    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99),
-            "mean": statistics.fmean(values)}
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.fmean(values)}
 
 
 async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int):
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     start = time.perf_counter()
     stamps: list[float] = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
@@ -61,18 +66,30 @@ def _histogram_means(metrics_url: str) -> dict[str, float]:
 
 def run_served(model_dir: str, prompts: list[list[int]], outputs: list[int]) -> dict:
     metrics_port = free_port()
-    stack = Stack(StackConfig(model_dir=model_dir, served_model_name="bench", port=free_port(),
-                              scheduler_metrics_port=metrics_port, log_dir="/tmp/skiff-bench"))
+    stack = Stack(
+        StackConfig(
+            model_dir=model_dir,
+            served_model_name="bench",
+            port=free_port(),
+            scheduler_metrics_port=metrics_port,
+            log_dir="/tmp/skiff-bench",
+        )
+    )
     stack.start()
     try:
+
         async def run():
-            async with httpx.AsyncClient(timeout=600,
-                                         limits=httpx.Limits(max_connections=256)) as client:
+            async with httpx.AsyncClient(
+                timeout=600, limits=httpx.Limits(max_connections=256)
+            ) as client:
                 await _stream(client, stack.url, prompts[0], 4)  # warm-up
                 t0 = time.perf_counter()
-                results = await asyncio.gather(*(
-                    _stream(client, stack.url, p, n) for p, n in zip(prompts, outputs,
-                                                                      strict=True)))
+                results = await asyncio.gather(
+                    *(
+                        _stream(client, stack.url, p, n)
+                        for p, n in zip(prompts, outputs, strict=True)
+                    )
+                )
                 return time.perf_counter() - t0, results
 
         elapsed, results = asyncio.run(run())
@@ -92,8 +109,7 @@ def run_served(model_dir: str, prompts: list[list[int]], outputs: list[int]) -> 
             "round_trip (plan published -> result received)": round_trip,
             "worker execute (inputs + forward + sampling)": execute,
             "nats + encode/decode (round trip - execute)": round_trip - execute,
-            "scheduler CPU (schedule + update + publish)":
-                steps.get("skiff_schedule_seconds", 0.0),
+            "scheduler CPU (schedule + update + publish)": steps.get("skiff_schedule_seconds", 0.0),
             "plan size (bytes)": steps.get("skiff_plan_bytes", 0.0),
         },
     }

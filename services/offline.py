@@ -18,7 +18,8 @@ from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput, Scheduler
 from services.worker.model_runner import build_runner
 from shared.config import SchedulerConfig
-from shared.protocol import BatchPlan, SamplerOutput, SamplingParams, TokenLogprobs, decoder, encode
+from shared.protocol import BatchPlan, ModelRunnerOutput, TokenLogprobs, decoder, encode
+from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
 __all__ = ["LLM", "CompletionOutput", "GenerationOutput", "SamplingParams"]
@@ -91,7 +92,7 @@ class LLM:
         self.tokenizer = Tokenizer(model)
         self.serialize_messages = serialize_messages
         self._plan_decoder = decoder(BatchPlan)
-        self._output_decoder = decoder(SamplerOutput)
+        self._output_decoder = decoder(ModelRunnerOutput)
         self._ids = itertools.count()
 
     def generate(

@@ -8,41 +8,9 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.sampling_params import SamplingParams
+
 PROTOCOL_VERSION = 1
-
-
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Per-request sampling parameters (vLLM names and defaults).
-
-    `top_k` of -1 (or 0) disables top-k; `max_tokens` of None means "up to the context length".
-    Range checks live in `shared.sampling_validation`; this struct only carries values.
-    """
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words_token_ids: list[list[int]] | None = None
-    # What `logprobs` report: "raw_logprobs" (default), "raw_logits", "processed_logprobs" or
-    # "processed_logits" (after penalties, temperature and filters), as vLLM's option.
-    logprobs_mode: str = "raw_logprobs"
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5
 
 
 class NewRequestData(msgspec.Struct, kw_only=True):
@@ -83,7 +51,9 @@ class BatchPlan(msgspec.Struct, kw_only=True):
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
-    scheduler_epoch: str = ""  # a new epoch tells the worker to drop all request state
+    # The scheduler's session with this worker ("<scheduler epoch>:<core session>"). A plan with
+    # a new session tells the worker to drop all request state before executing it.
+    worker_session: str = ""
     version: int = PROTOCOL_VERSION
 
 
@@ -98,8 +68,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     rank: int
 
 
-class SamplerOutput(msgspec.Struct, kw_only=True):
-    """One step's result from a worker (vLLM's ModelRunnerOutput), plain lists only.
+class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+    """One step's result from a worker (as vLLM's ModelRunnerOutput), plain lists only.
 
     `sampled_token_ids[i]` is empty for a request whose prefill chunk did not reach the end of
     its known tokens this step, else holds the one new token.

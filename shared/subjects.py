@@ -24,7 +24,7 @@ class Subjects:
         return f"{self.prefix}.worker.{worker_id}.plan"
 
     @property
-    def result(self) -> str:  # worker -> scheduler: SamplerOutput
+    def result(self) -> str:  # worker -> scheduler: ModelRunnerOutput
         return f"{self.prefix}.worker.result"
 
     @property

@@ -59,8 +59,9 @@ class Tokenizer:
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode()
 
-    def decode_stream(self, prefix_ids: list[int] | None = None,
-                      skip_special_tokens: bool = True) -> DecodeStream:
+    def decode_stream(
+        self, prefix_ids: list[int] | None = None, skip_special_tokens: bool = True
+    ) -> DecodeStream:
         """An incremental decoder (`tokenizers.decoders.DecodeStream`) primed with a prefix."""
         return DecodeStream(ids=prefix_ids or None, skip_special_tokens=skip_special_tokens)
 
@@ -77,8 +78,9 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            undefined=jinja2.StrictUndefined)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined
+        )
         env.globals["raise_exception"] = _raise
         return env.from_string(self.chat_template).render(
             messages=messages,

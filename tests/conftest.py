@@ -94,9 +94,16 @@ def stack(smollm2_dir, tmp_path_factory):
     from services.launcher import Stack, StackConfig, free_port
 
     logs = tmp_path_factory.mktemp("stack-logs")
-    s = Stack(StackConfig(model_dir=str(smollm2_dir), served_model_name="SmolLM2-135M-Instruct",
-                          port=free_port(), kv_cache_gib=0.5, max_model_len=2048,
-                          log_dir=str(logs)))
+    s = Stack(
+        StackConfig(
+            model_dir=str(smollm2_dir),
+            served_model_name="SmolLM2-135M-Instruct",
+            port=free_port(),
+            kv_cache_gib=0.5,
+            max_model_len=2048,
+            log_dir=str(logs),
+        )
+    )
     try:
         s.start(timeout_s=300)
     except Exception:

@@ -9,7 +9,8 @@ import pytest
 
 from services.launcher import Stack, StackConfig
 from shared import bus
-from shared.protocol import BatchPlan, NewRequestData, SamplingParams, decoder, encode
+from shared.protocol import BatchPlan, NewRequestData, decoder, encode
+from shared.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

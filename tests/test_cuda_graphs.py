@@ -8,7 +8,8 @@ import torch
 
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.model_runner import ModelRunner, RunnerConfig
-from shared.protocol import BatchPlan, CachedRequestData, NewRequestData, SamplingParams
+from shared.protocol import BatchPlan, CachedRequestData, NewRequestData
+from shared.sampling_params import SamplingParams
 
 
 def test_padded_static_decode_matches_eager(tiny_models):
@@ -52,8 +53,9 @@ def test_padded_static_decode_matches_eager(tiny_models):
     for cache, before in zip(runner.kv_caches, kv_before, strict=True):
         cache.copy_(before)
 
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, 8, 16, 256, torch.device("cpu"),
-                          buckets=(1, 2, 4, 8))
+    graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, 8, 16, 256, torch.device("cpu"), buckets=(1, 2, 4, 8)
+    )
     bucket = graphs.bucket_for(3)
     assert bucket == 4
     graphs.load(inputs.input_ids, inputs.positions, inputs.meta, bucket)

@@ -59,8 +59,12 @@ def template_files() -> list[Path]:
 
 
 def test_every_yaml_and_json_file_parses():
-    plain_yaml = [CHART / "Chart.yaml", CHART / "values.yaml", ROOT / "skaffold.yaml",
-                  *VALUES_CASES]
+    plain_yaml = [
+        CHART / "Chart.yaml",
+        CHART / "values.yaml",
+        ROOT / "skaffold.yaml",
+        *VALUES_CASES,
+    ]
     for path in plain_yaml:
         assert isinstance(load_yaml(path), dict), path
     for path in CHART.rglob("*.json"):
@@ -139,15 +143,18 @@ def test_templates_read_only_existing_values():
         for depth, key in enumerate(ref):
             assert isinstance(node, dict) and key in node, (
                 f"{where}: .Values.{'.'.join(ref)} is not in values.yaml "
-                f"(missing {'.'.join(ref[:depth + 1])})"
+                f"(missing {'.'.join(ref[: depth + 1])})"
             )
             node = node[key]
 
 
 def test_every_value_is_used_by_a_template():
     refs = set(values_paths_in_templates())
-    unused = [".".join(leaf) for leaf in leaf_paths(VALUES)
-              if not any(leaf[:n] in refs for n in range(1, len(leaf) + 1))]
+    unused = [
+        ".".join(leaf)
+        for leaf in leaf_paths(VALUES)
+        if not any(leaf[:n] in refs for n in range(1, len(leaf) + 1))
+    ]
     assert not unused, f"values.yaml entries no template reads: {unused}"
 
 
@@ -170,9 +177,12 @@ def env_vars_read_by(service: str) -> set[str]:
 
 SERVICES = ("gateway", "scheduler", "worker")
 # Which services each template's SKIFF_* variables reach (the helpers' go to all three).
-TEMPLATE_SERVICES = {"_helpers.tpl": SERVICES, "gateway-deployment.yaml": ("gateway",),
-                     "scheduler-deployment.yaml": ("scheduler",),
-                     "worker-statefulset.yaml": ("worker",)}
+TEMPLATE_SERVICES = {
+    "_helpers.tpl": SERVICES,
+    "gateway-deployment.yaml": ("gateway",),
+    "scheduler-deployment.yaml": ("scheduler",),
+    "worker-statefulset.yaml": ("worker",),
+}
 
 
 def test_templates_set_only_env_vars_the_services_read():
@@ -194,8 +204,9 @@ def test_templates_set_only_env_vars_the_services_read():
 
 def test_worker_id_comes_from_the_pod_name():
     text = (TEMPLATES / "worker-statefulset.yaml").read_text()
-    assert re.search(r"name: SKIFF_WORKER_ID\s+valueFrom:\s+fieldRef:\s+fieldPath: metadata.name",
-                     text)
+    assert re.search(
+        r"name: SKIFF_WORKER_ID\s+valueFrom:\s+fieldRef:\s+fieldPath: metadata.name", text
+    )
     assert '"nvidia.com/gpu" 1' in text and "kind: StatefulSet" in text
     assert "medium: Memory" in text and "/dev/shm" in text
 
@@ -275,8 +286,11 @@ def test_slim_image_requirements_cover_the_service(service):
     names = {re.split(r"[<>=!~\[ ]", r)[0].lower() for r in reqs}
     assert not names & {"torch", "triton", "transformers", "numpy", "safetensors"}
     provided = set().union(*(PROVIDES[n] for n in names))
-    missing = {m: by for m, by in third_party_imports(f"services.{service}.main").items()
-               if m not in provided}
+    missing = {
+        m: by
+        for m, by in third_party_imports(f"services.{service}.main").items()
+        if m not in provided
+    }
     assert not missing, f"imports the {service} image lacks (module: imported by): {missing}"
     # `skiff <service>` runs services.cli first: its module-level imports must be stdlib only
     # (each command imports its service lazily).
@@ -305,8 +319,11 @@ def test_dockerfiles(service):
 
 
 def test_dockerignore_keeps_what_the_images_copy():
-    ignored = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
-               if ln.strip() and not ln.startswith("#")]
+    ignored = [
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     for dockerfile in DOCKER.glob("*.Dockerfile"):
         for line in re.findall(r"^COPY (?!--from)(.*)$", dockerfile.read_text(), re.M):
             for src in line.split()[:-1]:
@@ -337,8 +354,11 @@ def exported_metrics() -> dict[str, set[str]]:
             for name in registry._collector_to_names[collector]:
                 labels_of[name] = set(getattr(collector, "_labelnames", ()))
         for family in registry.collect():
-            suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"],
-                        "gauge": [""]}[family.type]
+            suffixes = {
+                "counter": ["_total"],
+                "histogram": ["_bucket", "_sum", "_count"],
+                "gauge": [""],
+            }[family.type]
             for suffix in suffixes:
                 name = family.name + suffix
                 extra = {"le"} if suffix == "_bucket" else set()
@@ -346,8 +366,21 @@ def exported_metrics() -> dict[str, set[str]]:
     return out
 
 
-_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
-                 "or", "unless", "offset", "inf", "nan"}
+_PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+}
 
 
 def promql_names(expr: str) -> tuple[set[str], set[str]]:
@@ -360,8 +393,11 @@ def promql_names(expr: str) -> tuple[set[str], set[str]]:
         expr, labels = m[1], labels | {m[2]}
     rest = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\b(?:by|without)\s*\([^)]*\)|\$\w+", " ", expr)
     rest = re.sub(r'"[^"]*"', " ", rest)
-    metrics = {tok for tok, call in re.findall(r"([A-Za-z_:][\w:]*)(\s*\()?", rest)
-               if not call and tok.lower() not in _PROMQL_WORDS}
+    metrics = {
+        tok
+        for tok, call in re.findall(r"([A-Za-z_:][\w:]*)(\s*\()?", rest)
+        if not call and tok.lower() not in _PROMQL_WORDS
+    }
     return metrics, labels
 
 
@@ -374,8 +410,11 @@ def dashboard_queries() -> list[str]:
 
 def test_dashboard_names_only_exported_metrics():
     exported = exported_metrics()
-    assert {"vllm:time_to_first_token_seconds_bucket", "skiff_workers_ready",
-            "vllm:request_success_total"} <= set(exported)
+    assert {
+        "vllm:time_to_first_token_seconds_bucket",
+        "skiff_workers_ready",
+        "vllm:request_success_total",
+    } <= set(exported)
     used = set()
     for expr in dashboard_queries():
         metrics, labels = promql_names(expr)
@@ -386,13 +425,21 @@ def test_dashboard_names_only_exported_metrics():
         assert labels <= available, f"{expr}: labels {labels - available} not on {metrics}"
         used |= metrics
     # the panels the dashboard promises
-    for name in ("vllm:request_success_total", "vllm:inter_token_latency_seconds_bucket",
-                 "vllm:e2e_request_latency_seconds_bucket", "vllm:prompt_tokens_total",
-                 "vllm:generation_tokens_total", "vllm:num_requests_running",
-                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-                 "skiff_step_round_trip_seconds_bucket", "skiff_worker_execute_seconds_bucket",
-                 "skiff_plan_bytes_bucket"):
+    for name in (
+        "vllm:request_success_total",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "skiff_step_round_trip_seconds_bucket",
+        "skiff_worker_execute_seconds_bucket",
+        "skiff_plan_bytes_bucket",
+    ):
         assert name in used, name
 
 
@@ -411,7 +458,8 @@ def test_dashboard_panels_are_well_formed():
     assert len(ids) == len(set(ids))
     for p in board["panels"]:
         assert {"x", "y", "w", "h"} <= set(p["gridPos"]) and p["gridPos"]["x"] + p["gridPos"][
-            "w"] <= 24
+            "w"
+        ] <= 24
         for t in p.get("targets", []):
             assert t["datasource"]["uid"] == "${datasource}"
 
@@ -489,8 +537,11 @@ def render(case: Path | None) -> list[dict]:
     return [d for d in docs if d]
 
 
-@pytest.mark.skipif(HELM is None, reason="no helm binary on PATH (test_template_syntax and the "
-                                         "value/env/metric checks above still ran)")
+@pytest.mark.skipif(
+    HELM is None,
+    reason="no helm binary on PATH (test_template_syntax and the "
+    "value/env/metric checks above still ran)",
+)
 @pytest.mark.parametrize("case", [None, *VALUES_CASES], ids=lambda p: p.name if p else "default")
 def test_helm_lint_and_template(case):
     helm("lint", "--strict", str(CHART), *([] if case is None else ["-f", str(case)]))

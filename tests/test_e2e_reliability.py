@@ -20,9 +20,16 @@ MAX_TOKENS = 120
 
 @pytest.fixture(scope="module")
 def own_stack(smollm2_dir, tmp_path_factory):
-    s = Stack(StackConfig(model_dir=str(smollm2_dir), served_model_name=MODEL, port=free_port(),
-                          kv_cache_gib=0.25, max_model_len=2048,
-                          log_dir=str(tmp_path_factory.mktemp("reliability-logs"))))
+    s = Stack(
+        StackConfig(
+            model_dir=str(smollm2_dir),
+            served_model_name=MODEL,
+            port=free_port(),
+            kv_cache_gib=0.25,
+            max_model_len=2048,
+            log_dir=str(tmp_path_factory.mktemp("reliability-logs")),
+        )
+    )
     s.start(timeout_s=300)
     yield s
     s.stop()
@@ -36,9 +43,14 @@ def expected(offline_llm) -> str:
 
 def stream_with_disruption(stack: Stack, disrupt, after_chunks: int = 10) -> tuple[str, str]:
     client = OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=300)
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                       temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     text, finish, worker = "", None, None
     for i, chunk in enumerate(stream):
         if i == after_chunks:

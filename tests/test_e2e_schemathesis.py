@@ -33,8 +33,13 @@ def test_live_gateway_fuzz_no_server_errors(stack):
         label = f"{operation.method.upper()} {operation.path}"
 
         @hypothesis.given(case=operation.as_strategy())
-        @hypothesis.settings(max_examples=12, deadline=None, derandomize=True, database=None,
-                             suppress_health_check=list(hypothesis.HealthCheck))
+        @hypothesis.settings(
+            max_examples=12,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(hypothesis.HealthCheck),
+        )
         def check(case):
             _cap_generation(case.body)
             response = case.call(base_url=stack.url, timeout=120)

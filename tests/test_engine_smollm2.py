@@ -48,7 +48,7 @@ def test_greedy_matches_transformers_with_chunking_and_preemption(smollm2_dir, p
 
 
 def test_messages_survive_the_wire(smollm2_dir, prompts, hf_greedy):
-    """Encode and decode every BatchPlan and SamplerOutput: they carry everything needed."""
+    """Encode and decode every BatchPlan and ModelRunnerOutput: they carry everything needed."""
     llm = LLM(smollm2_dir, max_num_batched_tokens=96, num_blocks=40, serialize_messages=True)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts[:6], params)

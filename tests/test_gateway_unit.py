@@ -64,8 +64,9 @@ def anyio_backend() -> str:
 class FakeEngine:
     """Scripted `EngineClient`: every request generates `text` then EOS, one token per delta."""
 
-    def __init__(self, tokenizer: Tokenizer, text: str = "Hello world, how are you?",
-                 delay: float = 0.0) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, text: str = "Hello world, how are you?", delay: float = 0.0
+    ) -> None:
         self.tokenizer = tokenizer
         self.text = text
         self.delay = delay
@@ -103,12 +104,20 @@ class FakeEngine:
                 return
             last = i == len(tokens) - 1 or i == max_tokens - 1
             finish = ("stop" if token == EOS else "length") if last else None
-            stream.put(TokenDelta(
-                req_id=request.req_id, new_token_ids=[token], finish_reason=finish,
-                num_cached_tokens=3, logprobs=[_logprobs(token, params.logprobs)]
-                if params.logprobs is not None else [],
-                prompt_logprobs=_prompt_logprobs(request, params.prompt_logprobs)
-                if i == 0 and params.prompt_logprobs is not None else None))
+            stream.put(
+                TokenDelta(
+                    req_id=request.req_id,
+                    new_token_ids=[token],
+                    finish_reason=finish,
+                    num_cached_tokens=3,
+                    logprobs=[_logprobs(token, params.logprobs)]
+                    if params.logprobs is not None
+                    else [],
+                    prompt_logprobs=_prompt_logprobs(request, params.prompt_logprobs)
+                    if i == 0 and params.prompt_logprobs is not None
+                    else None,
+                )
+            )
 
 
 def _logprobs(token: int, num_top: int) -> TokenLogprobs:
@@ -137,7 +146,7 @@ async def client(engine: FakeEngine, tokenizer: Tokenizer):
 
 
 def sse_events(body: str) -> list[Any]:
-    events = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in body.split("\n\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -170,7 +179,8 @@ def test_stop_matcher_include_and_earliest():
     text=st.text(alphabet="abc ", max_size=30),
     stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
     cuts=st.lists(st.integers(0, 30), max_size=8),
-    include=st.booleans())
+    include=st.booleans(),
+)
 @hypothesis.example(text="abcd", stops=["abcd", "c"], cuts=[3], include=False)
 @hypothesis.example(text="xabc", stops=["bc", "ab"], cuts=[], include=True)
 def test_stop_matcher_matches_reference(text, stops, cuts, include):
@@ -178,7 +188,7 @@ def test_stop_matcher_matches_reference(text, stops, cuts, include):
     hits = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
     if hits:
         _, pos, stop = min(hits)
-        expected = text[:pos + len(stop)] if include else text[:pos]
+        expected = text[: pos + len(stop)] if include else text[:pos]
     else:
         stop, expected = None, text
     matcher = StopStringMatcher(stops, include)
@@ -195,10 +205,17 @@ def test_stop_matcher_matches_reference(text, stops, cuts, include):
     assert (released, found) == (expected, stop)
 
 
-def _state(tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True,
-           **params: Any) -> ChoiceState:
-    spec = ChoiceSpec(0, "r-0", tokenizer.encode("Say:"), SamplingParams(**params), stop,
-                      skip_special_tokens=skip_special_tokens)
+def _state(
+    tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True, **params: Any
+) -> ChoiceState:
+    spec = ChoiceSpec(
+        0,
+        "r-0",
+        tokenizer.encode("Say:"),
+        SamplingParams(**params),
+        stop,
+        skip_special_tokens=skip_special_tokens,
+    )
     return ChoiceState(spec, tokenizer)
 
 
@@ -206,8 +223,9 @@ def _feed(state: ChoiceState, tokens: list[int], finish: str | None = None) -> l
     out = []
     for i, token in enumerate(tokens):
         last = finish if i == len(tokens) - 1 else None
-        out.append(state.process(TokenDelta(req_id="r-0", new_token_ids=[token],
-                                            finish_reason=last)).text)
+        out.append(
+            state.process(TokenDelta(req_id="r-0", new_token_ids=[token], finish_reason=last)).text
+        )
     return out
 
 
@@ -238,8 +256,9 @@ def test_choice_hides_eos_and_reports_stop_token(tokenizer):
     assert "".join(_feed(state, [*tokens, EOS], finish="stop")) == "Hi there"
     assert state.stop_reason is None and state.num_tokens == len(tokens) + 1
     state = _state(tokenizer, [], stop_token_ids=[tokens[-1]])
-    delta = TokenDelta(req_id="r-0", new_token_ids=tokens, finish_reason="stop",
-                       stop_token_id=tokens[-1])
+    delta = TokenDelta(
+        req_id="r-0", new_token_ids=tokens, finish_reason="stop", stop_token_id=tokens[-1]
+    )
     assert state.process(delta).text == "Hi"
     assert state.stop_reason == tokens[-1]
 
@@ -255,8 +274,11 @@ def test_token_bytes_are_exact(tokenizer):
 
 @pytest.mark.anyio
 async def test_completion_basic_usage_and_request_id(client, engine):
-    r = await client.post("/v1/completions", headers={"X-Request-Id": "abc-123"},
-                          json={"model": MODEL, "prompt": "Say hi", "max_tokens": 50})
+    r = await client.post(
+        "/v1/completions",
+        headers={"X-Request-Id": "abc-123"},
+        json={"model": MODEL, "prompt": "Say hi", "max_tokens": 50},
+    )
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"] == "abc-123"
     body = r.json()
@@ -266,9 +288,12 @@ async def test_completion_basic_usage_and_request_id(client, engine):
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] is None
     prompt_len = len(engine.submitted[0].prompt_token_ids)
     completion = len(engine.tokenizer.encode(engine.text, add_special_tokens=False)) + 1
-    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": completion,
-                             "total_tokens": prompt_len + completion,
-                             "prompt_tokens_details": {"cached_tokens": min(3, prompt_len)}}
+    assert body["usage"] == {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": completion,
+        "total_tokens": prompt_len + completion,
+        "prompt_tokens_details": {"cached_tokens": min(3, prompt_len)},
+    }
     r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert len(r.headers["x-request-id"]) == 32
     assert r.json()["choices"][0]["finish_reason"] == "length"
@@ -276,11 +301,15 @@ async def test_completion_basic_usage_and_request_id(client, engine):
 
 @pytest.mark.anyio
 async def test_completion_stop_string_aborts_request(client, engine):
-    r = await client.post("/v1/completions", json={"prompt": "x", "stop": ["lo wor"],
-                                                   "max_tokens": 50})
+    r = await client.post(
+        "/v1/completions", json={"prompt": "x", "stop": ["lo wor"], "max_tokens": 50}
+    )
     choice = r.json()["choices"][0]
-    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == \
-        ("Hel", "stop", "lo wor")
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (
+        "Hel",
+        "stop",
+        "lo wor",
+    )
     await asyncio.sleep(0.01)
     assert engine.aborted == [engine.submitted[0].req_id]
 
@@ -288,9 +317,16 @@ async def test_completion_stop_string_aborts_request(client, engine):
 @pytest.mark.anyio
 async def test_completion_stream_holds_back_stop_string(client, engine):
     engine.text = "Hello wonderful world of text"
-    r = await client.post("/v1/completions", json={
-        "prompt": "x", "stream": True, "stop": "world", "max_tokens": 50,
-        "include_stop_str_in_output": False})
+    r = await client.post(
+        "/v1/completions",
+        json={
+            "prompt": "x",
+            "stream": True,
+            "stop": "world",
+            "max_tokens": 50,
+            "include_stop_str_in_output": False,
+        },
+    )
     assert r.headers["content-type"].startswith("text/event-stream")
     assert "content-length" not in r.headers
     chunks = sse_events(r.text)
@@ -304,9 +340,15 @@ async def test_completion_stream_holds_back_stop_string(client, engine):
 @pytest.mark.anyio
 async def test_completion_stream_multibyte_and_usage(client, engine):
     engine.text = "日本語 🎉 done"
-    r = await client.post("/v1/completions", json={
-        "prompt": "x", "stream": True, "max_tokens": 50,
-        "stream_options": {"include_usage": True}})
+    r = await client.post(
+        "/v1/completions",
+        json={
+            "prompt": "x",
+            "stream": True,
+            "max_tokens": 50,
+            "stream_options": {"include_usage": True},
+        },
+    )
     chunks = sse_events(r.text)
     texts = [c["choices"][0]["text"] for c in chunks[:-1]]
     assert "".join(texts) == engine.text
@@ -319,8 +361,9 @@ async def test_completion_stream_multibyte_and_usage(client, engine):
 
 @pytest.mark.anyio
 async def test_completion_n2_multi_prompt_and_seeds(client, engine):
-    r = await client.post("/v1/completions", json={
-        "prompt": ["a", "b c"], "n": 2, "seed": 7, "max_tokens": 3})
+    r = await client.post(
+        "/v1/completions", json={"prompt": ["a", "b c"], "n": 2, "seed": 7, "max_tokens": 3}
+    )
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert [s.sampling_params.seed for s in engine.submitted] == [7, 8, 7, 8]
@@ -333,14 +376,14 @@ async def test_completion_n2_multi_prompt_and_seeds(client, engine):
 @pytest.mark.anyio
 async def test_completion_echo_token_prompt_and_logprobs(client, engine, tokenizer):
     prompt_ids = tokenizer.encode("Say hi")
-    r = await client.post("/v1/completions", json={
-        "prompt": prompt_ids, "echo": True, "logprobs": 2, "max_tokens": 2})
+    r = await client.post(
+        "/v1/completions", json={"prompt": prompt_ids, "echo": True, "logprobs": 2, "max_tokens": 2}
+    )
     choice = r.json()["choices"][0]
     assert choice["text"] == "Say hi" + "Hello world"
     lp = choice["logprobs"]
     n = len(prompt_ids) + 2
-    assert all(len(lp[k]) == n for k in ("tokens", "token_logprobs", "top_logprobs",
-                                          "text_offset"))
+    assert all(len(lp[k]) == n for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"))
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["tokens"][len(prompt_ids)] == "Hello"
     assert lp["text_offset"][len(prompt_ids)] == len("Say hi")
@@ -354,9 +397,16 @@ async def test_completion_echo_token_prompt_and_logprobs(client, engine, tokeniz
 
 @pytest.mark.anyio
 async def test_chat_non_stream_with_logprobs(client, engine, tokenizer):
-    r = await client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-        "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 3})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 2,
+            "max_completion_tokens": 3,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
@@ -376,15 +426,22 @@ async def test_chat_non_stream_with_logprobs(client, engine, tokenizer):
 
 @pytest.mark.anyio
 async def test_chat_stream_role_first_and_usage(client, engine):
-    r = await client.post("/v1/chat/completions", json={
-        "messages": [{"role": "system", "content": "be brief"},
-                     {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-        "stream": True, "n": 2, "stream_options": {"include_usage": True}})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ],
+            "stream": True,
+            "n": 2,
+            "stream_options": {"include_usage": True},
+        },
+    )
     chunks = sse_events(r.text)
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     for i in range(2):
-        mine = [c["choices"][0] for c in chunks if c["choices"] and
-                c["choices"][0]["index"] == i]
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
         assert mine[0]["delta"] == {"role": "assistant", "content": ""}
         assert "".join(m["delta"].get("content", "") for m in mine) == engine.text
         assert mine[-1]["finish_reason"] == "stop"
@@ -396,8 +453,10 @@ async def test_chat_stream_role_first_and_usage(client, engine):
 @pytest.mark.anyio
 async def test_stream_engine_failure_becomes_error_event(client, engine):
     engine.fail_after = 2
-    r = await client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "stream": True},
+    )
     chunks = sse_events(r.text)
     assert chunks[-1]["error"]["code"] == 503
     r = await client.post("/v1/completions", json={"prompt": "x"})
@@ -433,10 +492,15 @@ async def test_models_health_version_metrics(client, engine):
     assert "version" in (await client.get("/version")).json()
     await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     text = (await client.get("/metrics")).text
-    for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds",
-                 'vllm:request_success_total{finished_reason="length",model_name="' + MODEL,
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "skiff_gateway_http_requests_total", "skiff_gateway_engine_ready 1.0"):
+    for name in (
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:e2e_request_latency_seconds",
+        'vllm:request_success_total{finished_reason="length",model_name="' + MODEL,
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "skiff_gateway_http_requests_total",
+        "skiff_gateway_engine_ready 1.0",
+    ):
         assert name in text, name
 
 
@@ -505,20 +569,24 @@ async def test_context_length_message_uses_vllm_wording(client):
     assert r.json()["error"]["message"] == (
         "This model's maximum context length is 256 tokens. However, you requested 257 tokens "
         "(1 in the messages, 256 in the completion). Please reduce the length of the messages "
-        "or completion.")
+        "or completion."
+    )
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize(("content", "content_type", "status"), [
-    (b"{not json", "application/json", 400),
-    (b'{"prompt": "\xff\xfe"}', "application/json", 400),
-    (b'{"prompt": "x", "temperature": NaN}', "application/json", 400),
-    (b"[" * 100_000 + b"]" * 100_000, "application/json", 400),
-    (b'"just a string"', "application/json", 400),
-    (b"prompt=x", "application/x-www-form-urlencoded", 400),
-    (b'{"prompt": "x", "stop": "\\ud800"}', "application/json", 400),
-    (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "application/json", 400),
-])
+@pytest.mark.parametrize(
+    ("content", "content_type", "status"),
+    [
+        (b"{not json", "application/json", 400),
+        (b'{"prompt": "\xff\xfe"}', "application/json", 400),
+        (b'{"prompt": "x", "temperature": NaN}', "application/json", 400),
+        (b"[" * 100_000 + b"]" * 100_000, "application/json", 400),
+        (b'"just a string"', "application/json", 400),
+        (b"prompt=x", "application/x-www-form-urlencoded", 400),
+        (b'{"prompt": "x", "stop": "\\ud800"}', "application/json", 400),
+        (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "application/json", 400),
+    ],
+)
 async def test_malformed_bodies(client, content, content_type, status):
     r = await client.post(C, content=content, headers={"content-type": content_type})
     assert r.status_code == status, r.text
@@ -547,8 +615,9 @@ async def test_routing_size_and_engine_errors(engine, tokenizer):
 async def test_unknown_context_length_is_503(engine, tokenizer):
     engine.max_model_len = None
     app = create_app(engine, tokenizer, MODEL, None)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://test") as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as client:
         r = await client.post(C, json={"prompt": "x"})
         assert r.status_code == 503
         engine.max_model_len = 100
@@ -560,8 +629,9 @@ async def test_unknown_context_length_is_503(engine, tokenizer):
 async def test_draining_refuses_new_work(engine, tokenizer):
     app = create_app(engine, tokenizer, MODEL, MAX_MODEL_LEN)
     app.state.gateway.draining = True
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://test") as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as client:
         assert (await client.get("/health")).status_code == 503
         r = await client.post(CHAT, json={"messages": MSG})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -570,8 +640,12 @@ async def test_draining_refuses_new_work(engine, tokenizer):
 @pytest.mark.anyio
 async def test_api_key(engine, tokenizer):
     async with make_client(engine, tokenizer, api_key="s3cret") as client:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
-                        {"Authorization": "Bearer s3cret\u00e9".encode("latin-1")}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "s3cret"},
+            {"Authorization": "Bearer s3cret\u00e9".encode("latin-1")},
+        ):
             r = await client.post(C, json={"prompt": "x"}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == 401
         assert (await client.get("/v1/nope")).status_code == 401
@@ -583,8 +657,9 @@ async def test_api_key(engine, tokenizer):
 
 
 def test_gateway_does_not_import_torch():
-    code = ("import sys, services.gateway.main, services.gateway.app; "
-            "sys.exit('torch' in sys.modules)")
+    code = (
+        "import sys, services.gateway.main, services.gateway.app; sys.exit('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
@@ -624,11 +699,20 @@ async def _call_and_disconnect(app, path: str, body: dict, after: Callable[[list
         if after(sent):
             disconnect.set()
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
-             "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
     task = asyncio.create_task(app(scope, receive, send))
     return task, disconnect, sent
 
@@ -651,7 +735,8 @@ async def test_non_stream_disconnect_aborts(tokenizer):
     engine = FakeEngine(tokenizer, delay=0.05)
     app = create_app(engine, tokenizer, MODEL, MAX_MODEL_LEN)
     task, disconnect, _ = await _call_and_disconnect(
-        app, CHAT, {"messages": MSG, "max_tokens": 100}, lambda s: False)
+        app, CHAT, {"messages": MSG, "max_tokens": 100}, lambda s: False
+    )
     await asyncio.sleep(0.1)
     assert engine.submitted and not engine.aborted
     disconnect.set()
@@ -677,12 +762,18 @@ def test_openapi_schema_is_valid(tokenizer):
 # The schema is built at import (conftest.py prepared the model): lazy fixture loading fails
 # under pytest 9.
 FUZZ_SCHEMA = schemathesis.openapi.from_asgi(
-    "/openapi.json", _fuzz_app(Tokenizer(default_model_dir())))
+    "/openapi.json", _fuzz_app(Tokenizer(default_model_dir()))
+)
 
 
 @FUZZ_SCHEMA.parametrize()
-@hypothesis.settings(max_examples=50, deadline=2000, derandomize=True, database=None,
-                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.settings(
+    max_examples=50,
+    deadline=2000,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(hypothesis.HealthCheck),
+)
 def test_schemathesis_fuzz_no_server_errors(case):
     case.call_and_validate(checks=[not_a_server_error])
 
@@ -705,8 +796,11 @@ class NatsServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([NATS_SERVER, "-a", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [NATS_SERVER, "-a", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             with socket.socket() as s:
@@ -755,16 +849,19 @@ class ScriptedScheduler:
         async def on_abort(msg):
             self.aborts.extend(abort_decoder.decode(msg.data).req_ids)
 
-        self.subs = [await self.nc.subscribe(self.subjects.submit, cb=on_submit),
-                     await self.nc.subscribe(self.subjects.abort, cb=on_abort)]
+        self.subs = [
+            await self.nc.subscribe(self.subjects.submit, cb=on_submit),
+            await self.nc.subscribe(self.subjects.abort, cb=on_abort),
+        ]
         await self.heartbeat()
 
     async def heartbeat(self) -> None:
         beat = SchedulerHeartbeat(epoch=self.epoch, num_ready_workers=1, max_model_len=128)
         await self.nc.publish(self.subjects.scheduler_heartbeat, encode(beat))
 
-    async def emit(self, gateway_id: str, req_id: str, tokens: list[int],
-                   finish: str | None = None) -> None:
+    async def emit(
+        self, gateway_id: str, req_id: str, tokens: list[int], finish: str | None = None
+    ) -> None:
         delta = TokenDelta(req_id=req_id, new_token_ids=tokens, finish_reason=finish)
         batch = OutputBatch(deltas=[delta], scheduler_epoch=self.epoch)
         await self.nc.publish(self.subjects.output(gateway_id), encode(batch))
@@ -794,9 +891,11 @@ async def test_nats_engine_client_submit_stream_abort_and_restart(nats_url):
         assert await client.wait_ready(5)
         assert client.max_model_len == 128
         params = SamplingParams(max_tokens=5)
-        stream = await client.submit(SubmitRequest(req_id="r-0", gateway_id="",
-                                                   prompt_token_ids=[1, 2],
-                                                   sampling_params=params))
+        stream = await client.submit(
+            SubmitRequest(
+                req_id="r-0", gateway_id="", prompt_token_ids=[1, 2], sampling_params=params
+            )
+        )
         assert scheduler.submits[0].gateway_id == "gw1"
         await scheduler.emit("gw1", "r-0", [10, 11])
         first = await asyncio.wait_for(anext(stream), 5)
@@ -815,9 +914,9 @@ async def test_nats_engine_client_submit_stream_abort_and_restart(nats_url):
         assert last.new_token_ids == [12] and last.finish_reason == "length"
         assert client.num_in_flight == 0
 
-        stream = await client.submit(SubmitRequest(req_id="r-1", gateway_id="",
-                                                   prompt_token_ids=[1],
-                                                   sampling_params=params))
+        stream = await client.submit(
+            SubmitRequest(req_id="r-1", gateway_id="", prompt_token_ids=[1], sampling_params=params)
+        )
         await client.abort(["r-1"])
         await _until(lambda: "r-1" in scheduler.aborts)
         assert client.num_in_flight == 0
@@ -830,10 +929,10 @@ async def test_nats_engine_client_submit_stream_abort_and_restart(nats_url):
 async def test_nats_engine_client_not_ready_and_rejections(nats_url):
     import nats
 
-    client = NatsEngineClient(nats_url, subject_prefix="t2", gateway_id="gw2",
-                              submit_timeout=0.5)
-    request = SubmitRequest(req_id="r", gateway_id="", prompt_token_ids=[1],
-                            sampling_params=SamplingParams())
+    client = NatsEngineClient(nats_url, subject_prefix="t2", gateway_id="gw2", submit_timeout=0.5)
+    request = SubmitRequest(
+        req_id="r", gateway_id="", prompt_token_ids=[1], sampling_params=SamplingParams()
+    )
     with pytest.raises(EngineError) as err:
         await client.submit(request)
     assert err.value.status == 503
@@ -874,8 +973,11 @@ async def test_nats_engine_client_moves_requests_after_reconnect(nats_server):
         await _until(lambda: client.connected)
         await scheduler.heartbeat()
         assert await client.wait_ready(5)
-        stream = await client.submit(SubmitRequest(
-            req_id="r", gateway_id="", prompt_token_ids=[1], sampling_params=SamplingParams()))
+        stream = await client.submit(
+            SubmitRequest(
+                req_id="r", gateway_id="", prompt_token_ids=[1], sampling_params=SamplingParams()
+            )
+        )
         await scheduler.emit("gw3", "r", [7])
         assert (await asyncio.wait_for(anext(stream), 5)).new_token_ids == [7]
         nats_server.stop()  # deltas sent while we are away would be lost: the request moves

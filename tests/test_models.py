@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from services.worker.model_runner import ModelRunner, RunnerConfig
-from shared.protocol import BatchPlan, CachedRequestData, NewRequestData, SamplingParams
+from shared.protocol import BatchPlan, CachedRequestData, NewRequestData
+from shared.sampling_params import SamplingParams
 
 ARCHS = ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]
 

@@ -23,7 +23,7 @@ from services.worker.sampler.penalties import apply_penalties
 from services.worker.sampler.random import position_uniforms
 from services.worker.sampler.sampler import apply_filters, apply_logit_processors
 from services.worker.sampler.topk_topp import compute_cutoffs
-from shared.protocol import SamplingParams
+from shared.sampling_params import SamplingParams
 
 EOS = (1, 2)
 _M64 = 2**64 - 1

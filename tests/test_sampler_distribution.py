@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 from test_sampler import Req, make_metadata, ref_filters
 
 from services.worker.sampler import Sampler
-from shared.protocol import SamplingParams
+from shared.sampling_params import SamplingParams
 
 DRAWS = 20_000
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.5, 0.0, -0.3, -0.8, -1.5, -2.5, -4.0])

@@ -6,8 +6,7 @@ import math
 
 import pytest
 
-from shared.protocol import SamplingParams
-from shared.sampling_validation import SamplingParamsError, validate_sampling_params
+from shared.sampling_params import SamplingParams, SamplingParamsError, validate_sampling_params
 
 VOCAB = 1000
 
@@ -142,7 +141,7 @@ def test_the_module_needs_no_torch():
     import sys
 
     code = (
-        "import sys, shared.sampling_validation; "
+        "import sys, shared.sampling_params; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -10,7 +10,8 @@ from services.scheduler.block_pool import BlockPool
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from shared.config import SchedulerConfig
-from shared.protocol import BatchPlan, SamplerOutput, SamplingParams
+from shared.protocol import BatchPlan, ModelRunnerOutput
+from shared.sampling_params import SamplingParams
 
 EOS = 2
 
@@ -38,7 +39,9 @@ def respond(plan: BatchPlan, sched: Scheduler, token=7) -> list:
         r = sched.requests[req_id]
         ids.append(req_id)
         sampled.append([token] if r.num_computed_tokens >= r.num_tokens else [])
-    return sched.update(SamplerOutput(step_id=plan.step_id, req_ids=ids, sampled_token_ids=sampled))
+    return sched.update(
+        ModelRunnerOutput(step_id=plan.step_id, req_ids=ids, sampled_token_ids=sampled)
+    )
 
 
 def test_budget_and_chunked_prefill():
@@ -78,7 +81,7 @@ def test_stop_conditions():
     s.add_request(req("ign", 4, max_tokens=2, ignore_eos=True))
     plan = s.schedule()
     outs = s.update(
-        SamplerOutput(
+        ModelRunnerOutput(
             step_id=0,
             req_ids=list(plan.num_scheduled_tokens),
             sampled_token_ids=[[5], [EOS], [9], [EOS]],
@@ -102,10 +105,12 @@ def test_min_tokens_defers_eos():
     s = make_scheduler()
     s.add_request(req("a", 4, max_tokens=5, min_tokens=2))
     plan = s.schedule()
-    out = s.update(SamplerOutput(step_id=0, req_ids=["a"], sampled_token_ids=[[EOS]]))
+    out = s.update(ModelRunnerOutput(step_id=0, req_ids=["a"], sampled_token_ids=[[EOS]]))
     assert out[0].finish_reason is None
     plan = s.schedule()
-    out = s.update(SamplerOutput(step_id=plan.step_id, req_ids=["a"], sampled_token_ids=[[EOS]]))
+    out = s.update(
+        ModelRunnerOutput(step_id=plan.step_id, req_ids=["a"], sampled_token_ids=[[EOS]])
+    )
     assert out[0].finish_reason == FinishReason.STOP
 
 

@@ -51,10 +51,19 @@ def create_app(
     heartbeat. The shared state is `app.state.gateway` (a `GatewayContext`); set its
     `draining` to make /health fail and new requests get 503 during shutdown."""
     metrics = GatewayMetrics(served_model_name, engine_client)
-    ctx = GatewayContext(engine_client, tokenizer, served_model_name, metrics,
-                         configured_max_model_len=max_model_len, model_root=model_root)
-    app = FastAPI(title="skiff gateway", version=_version(),
-                  summary="OpenAI-compatible API of skiff (vLLM-compatible)")
+    ctx = GatewayContext(
+        engine_client,
+        tokenizer,
+        served_model_name,
+        metrics,
+        configured_max_model_len=max_model_len,
+        model_root=model_root,
+    )
+    app = FastAPI(
+        title="skiff gateway",
+        version=_version(),
+        summary="OpenAI-compatible API of skiff (vLLM-compatible)",
+    )
     app.state.gateway = ctx
     install_error_handlers(app)
     for module in (completions, chat, tokenization):
@@ -72,12 +81,20 @@ def _service_router(ctx: GatewayContext) -> APIRouter:
 
     @api.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [{
-            "id": ctx.served_model_name, "object": "model", "created": ctx.created,
-            "owned_by": "skiff", "root": ctx.model_root or ctx.served_model_name,
-            "parent": None,
-            "max_model_len": ctx.configured_max_model_len or ctx.engine.max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": ctx.served_model_name,
+                    "object": "model",
+                    "created": ctx.created,
+                    "owned_by": "skiff",
+                    "root": ctx.model_root or ctx.served_model_name,
+                    "parent": None,
+                    "max_model_len": ctx.configured_max_model_len or ctx.engine.max_model_len,
+                }
+            ],
+        }
 
     @api.get("/health")
     async def health() -> Response:

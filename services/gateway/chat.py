@@ -33,8 +33,9 @@ from services.gateway.sse import EventStreamResponse
 
 def _num_top_logprobs(body: ChatCompletionRequest) -> int | None:
     if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(400, "when using `top_logprobs`, `logprobs` must be set to true",
-                       "top_logprobs")
+        raise APIError(
+            400, "when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs"
+        )
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
@@ -48,31 +49,50 @@ def router(ctx: GatewayContext) -> APIRouter:
         ctx.check_model(body.model)
         check_num_choices(1, body.n)
         num_top = _num_top_logprobs(body)
-        text = ctx.render_chat(body.messages, body.add_generation_prompt,
-                               body.continue_final_message)
+        text = ctx.render_chat(
+            body.messages, body.add_generation_prompt, body.continue_final_message
+        )
         prompt_ids = await ctx.encode(text, body.add_special_tokens)
         requested = body.max_completion_tokens or body.max_tokens
-        max_tokens = resolve_max_tokens(requested, len(prompt_ids), ctx.max_model_len(),
-                                        "messages")
-        params = build_sampling_params(body, ctx.tokenizer, max_tokens=max_tokens,
-                                       logprobs=num_top, prompt_logprobs=body.prompt_logprobs)
+        max_tokens = resolve_max_tokens(requested, len(prompt_ids), ctx.max_model_len(), "messages")
+        params = build_sampling_params(
+            body,
+            ctx.tokenizer,
+            max_tokens=max_tokens,
+            logprobs=num_top,
+            prompt_logprobs=body.prompt_logprobs,
+        )
         base = engine_base_id()
-        specs = [ChoiceSpec(i, f"{base}-{i}", prompt_ids, for_choice(params, i),
-                            stop_strings(body.stop), body.include_stop_str_in_output,
-                            body.skip_special_tokens) for i in range(body.n)]
+        specs = [
+            ChoiceSpec(
+                i,
+                f"{base}-{i}",
+                prompt_ids,
+                for_choice(params, i),
+                stop_strings(body.stop),
+                body.include_stop_str_in_output,
+                body.skip_special_tokens,
+            )
+            for i in range(body.n)
+        ]
         gen = Generation(ctx.engine, ctx.tokenizer, ctx.metrics, specs, arrival)
         await gen.start()
         created = int(time.time())
 
         def head(kind: str) -> Payload:
-            return {"id": f"chatcmpl-{request_id(request)}", "object": kind,
-                    "created": created, "model": ctx.served_model_name}
+            return {
+                "id": f"chatcmpl-{request_id(request)}",
+                "object": kind,
+                "created": created,
+                "model": ctx.served_model_name,
+            }
 
         def logprobs(update: ChoiceUpdate) -> Payload | None:
             if num_top is None:
                 return None
-            return {"content": chat_logprobs(ctx.tokenizer, update.token_ids, update.logprobs,
-                                             num_top)}
+            return {
+                "content": chat_logprobs(ctx.tokenizer, update.token_ids, update.logprobs, num_top)
+            }
 
         def final_usage() -> Payload:
             return usage([len(prompt_ids)], gen.choices)
@@ -85,27 +105,60 @@ def router(ctx: GatewayContext) -> APIRouter:
         if body.stream:
             chunk_head = head("chat.completion.chunk")
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            opening = [{**chunk_head, "choices": [{
-                "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}]} for i in range(body.n)]
+            opening = [
+                {
+                    **chunk_head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+                for i in range(body.n)
+            ]
 
             def chunk(update: ChoiceUpdate) -> Payload:
                 delta = {"content": update.text} if update.text else {}
-                return {**chunk_head, "choices": [{
-                    "index": update.index, "delta": delta, "logprobs": logprobs(update),
-                    "finish_reason": update.finish_reason, "stop_reason": update.stop_reason}]}
+                return {
+                    **chunk_head,
+                    "choices": [
+                        {
+                            "index": update.index,
+                            "delta": delta,
+                            "logprobs": logprobs(update),
+                            "finish_reason": update.finish_reason,
+                            "stop_reason": update.stop_reason,
+                        }
+                    ],
+                }
 
-            final = (lambda: {**chunk_head, "choices": [], "usage": final_usage()}) \
-                if include_usage else None
+            final = (
+                (lambda: {**chunk_head, "choices": [], "usage": final_usage()})
+                if include_usage
+                else None
+            )
             events = event_stream(ctx, gen, opening, chunk, final)
             return EventStreamResponse(events, on_close=gen.close)
 
         def build(results: list[ChoiceUpdate]) -> Payload:
-            return {**head("chat.completion"), "choices": [{
-                "index": u.index, "message": {"role": "assistant", "content": u.text},
-                "logprobs": logprobs(u), "finish_reason": u.finish_reason,
-                "stop_reason": u.stop_reason} for u in results],
-                "usage": final_usage(), "prompt_logprobs": prompt_logprobs()}
+            return {
+                **head("chat.completion"),
+                "choices": [
+                    {
+                        "index": u.index,
+                        "message": {"role": "assistant", "content": u.text},
+                        "logprobs": logprobs(u),
+                        "finish_reason": u.finish_reason,
+                        "stop_reason": u.stop_reason,
+                    }
+                    for u in results
+                ],
+                "usage": final_usage(),
+                "prompt_logprobs": prompt_logprobs(),
+            }
 
         return await respond_once(request, ctx, gen, build)
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.stop_strings import StopStringMatcher
-from shared.protocol import SamplingParams, TokenDelta, TokenLogprobs
+from shared.protocol import TokenDelta, TokenLogprobs
+from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
 
@@ -29,9 +30,14 @@ class ChoiceUpdate:
 
     def merge(self, later: ChoiceUpdate) -> ChoiceUpdate:
         return ChoiceUpdate(
-            self.index, self.text + later.text, self.token_ids + later.token_ids,
-            self.logprobs + later.logprobs, self.text_offsets + later.text_offsets,
-            later.finish_reason, later.stop_reason)
+            self.index,
+            self.text + later.text,
+            self.token_ids + later.token_ids,
+            self.logprobs + later.logprobs,
+            self.text_offsets + later.text_offsets,
+            later.finish_reason,
+            later.stop_reason,
+        )
 
 
 @dataclass(frozen=True)
@@ -56,8 +62,9 @@ class ChoiceState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.stopped_by_string = False
-        self._detokenizer = IncrementalDetokenizer(tokenizer, spec.prompt_ids,
-                                                   spec.skip_special_tokens)
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, spec.prompt_ids, spec.skip_special_tokens
+        )
         self._stops = StopStringMatcher(spec.stop, spec.include_stop_str_in_output)
         self._text_len = 0
 
@@ -71,8 +78,9 @@ class ChoiceState:
         if self.finished:
             return update
         prompt_len = len(self.spec.prompt_ids)
-        self.num_cached_tokens = min(max(self.num_cached_tokens, delta.num_cached_tokens),
-                                     prompt_len)
+        self.num_cached_tokens = min(
+            max(self.num_cached_tokens, delta.num_cached_tokens), prompt_len
+        )
         if delta.prompt_logprobs is not None:  # one part per prefill chunk, in order
             self.prompt_logprobs = [*(self.prompt_logprobs or []), *delta.prompt_logprobs]
         engine_stopped = delta.finish_reason == "stop"
@@ -94,8 +102,11 @@ class ChoiceState:
         if delta.finish_reason is not None:
             update.text += self._stops.flush()
             token = delta.stop_token_id
-            self._finish(update, delta.finish_reason,
-                         token if token in self.spec.params.stop_token_ids else None)
+            self._finish(
+                update,
+                delta.finish_reason,
+                token if token in self.spec.params.stop_token_ids else None,
+            )
         return update
 
     def abort(self) -> ChoiceUpdate:

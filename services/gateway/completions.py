@@ -59,8 +59,9 @@ async def _prompts(ctx: GatewayContext, body: CompletionRequest) -> list[Prompt]
 class _Formatter:
     """Turns choice updates into completion choices (echo and logprobs included)."""
 
-    def __init__(self, ctx: GatewayContext, body: CompletionRequest, prompts: list[Prompt],
-                 gen: Generation) -> None:
+    def __init__(
+        self, ctx: GatewayContext, body: CompletionRequest, prompts: list[Prompt], gen: Generation
+    ) -> None:
         self.ctx, self.body, self.prompts, self.gen = ctx, body, prompts, gen
         self.started: set[int] = set()
 
@@ -80,9 +81,11 @@ class _Formatter:
             "logprobs": self._logprobs(update, prompt, echo),
             "finish_reason": update.finish_reason,
             "stop_reason": update.stop_reason,
-            "prompt_logprobs": prompt_logprobs_body(self.ctx.tokenizer, prompt.token_ids,
-                                                    state.prompt_logprobs)
-            if show_prompt_logprobs else None,
+            "prompt_logprobs": prompt_logprobs_body(
+                self.ctx.tokenizer, prompt.token_ids, state.prompt_logprobs
+            )
+            if show_prompt_logprobs
+            else None,
         }
 
     def _logprobs(self, update: ChoiceUpdate, prompt: Prompt, echo: bool) -> Payload | None:
@@ -90,8 +93,11 @@ class _Formatter:
         if num_top is None:
             return None
         tokens, logprobs = update.token_ids, update.logprobs
-        offsets = [len(prompt.text) + o for o in update.text_offsets] if self.body.echo \
+        offsets = (
+            [len(prompt.text) + o for o in update.text_offsets]
+            if self.body.echo
             else update.text_offsets
+        )
         if echo:
             prompt_lps = self.gen.choices[update.index].prompt_logprobs
             tokens = prompt.token_ids + tokens
@@ -127,20 +133,35 @@ def router(ctx: GatewayContext) -> APIRouter:
         base, specs = engine_base_id(), []
         for p, prompt in enumerate(prompts):
             max_tokens = resolve_max_tokens(body.max_tokens, len(prompt.token_ids), max_model_len)
-            params = build_sampling_params(body, ctx.tokenizer, max_tokens=max_tokens,
-                                           logprobs=body.logprobs,
-                                           prompt_logprobs=prompt_logprobs)
+            params = build_sampling_params(
+                body,
+                ctx.tokenizer,
+                max_tokens=max_tokens,
+                logprobs=body.logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
             for i in range(body.n):
                 index = p * body.n + i
-                specs.append(ChoiceSpec(index, f"{base}-{index}", prompt.token_ids,
-                                        for_choice(params, i), stop_strings(body.stop),
-                                        body.include_stop_str_in_output,
-                                        body.skip_special_tokens))
+                specs.append(
+                    ChoiceSpec(
+                        index,
+                        f"{base}-{index}",
+                        prompt.token_ids,
+                        for_choice(params, i),
+                        stop_strings(body.stop),
+                        body.include_stop_str_in_output,
+                        body.skip_special_tokens,
+                    )
+                )
         gen = Generation(ctx.engine, ctx.tokenizer, ctx.metrics, specs, arrival)
         await gen.start()
         fmt = _Formatter(ctx, body, prompts, gen)
-        head = {"id": f"cmpl-{request_id(request)}", "object": "text_completion",
-                "created": int(time.time()), "model": ctx.served_model_name}
+        head = {
+            "id": f"cmpl-{request_id(request)}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": ctx.served_model_name,
+        }
         prompt_lens = [len(p.token_ids) for p in prompts]
 
         def final_usage() -> Payload:
@@ -149,11 +170,24 @@ def router(ctx: GatewayContext) -> APIRouter:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = event_stream(
-                ctx, gen, [], lambda u: {**head, "choices": [fmt.choice(u)]},
+                ctx,
+                gen,
+                [],
+                lambda u: {**head, "choices": [fmt.choice(u)]},
                 (lambda: {**head, "choices": [], "usage": final_usage()})
-                if include_usage else None)
+                if include_usage
+                else None,
+            )
             return EventStreamResponse(events, on_close=gen.close)
-        return await respond_once(request, ctx, gen, lambda results: {
-            **head, "choices": [fmt.choice(u) for u in results], "usage": final_usage()})
+        return await respond_once(
+            request,
+            ctx,
+            gen,
+            lambda results: {
+                **head,
+                "choices": [fmt.choice(u) for u in results],
+                "usage": final_usage(),
+            },
+        )
 
     return api

@@ -32,8 +32,9 @@ class GatewayContext:
         """The configured context length, else the one the scheduler announced."""
         value = self.configured_max_model_len or self.engine.max_model_len
         if not value:
-            raise APIError(503, "the model's context length is not known yet "
-                                "(no scheduler heartbeat)")
+            raise APIError(
+                503, "the model's context length is not known yet (no scheduler heartbeat)"
+            )
         return value
 
     def check_model(self, name: str | None) -> None:
@@ -49,12 +50,16 @@ class GatewayContext:
             return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool) -> str:
+    def render_chat(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool
+    ) -> str:
         """The chat template applied to the messages; template failures are the client's 400."""
         if continue_final_message and add_generation_prompt:
-            raise APIError(400, "Cannot set both `continue_final_message` and "
-                                "`add_generation_prompt` to True.", "continue_final_message")
+            raise APIError(
+                400,
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
+            )
         conversation = [_message_dict(m) for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
@@ -64,9 +69,13 @@ class GatewayContext:
             final = conversation[-1]["content"]
             end = text.rfind(final) if final else -1
             if end < 0:
-                raise APIError(400, "continue_final_message is set but the final message is "
-                                    "not in the rendered chat", "messages")
-            text = text[:end + len(final)]
+                raise APIError(
+                    400,
+                    "continue_final_message is set but the final message is "
+                    "not in the rendered chat",
+                    "messages",
+                )
+            text = text[: end + len(final)]
         return text
 
 

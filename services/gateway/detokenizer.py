@@ -10,8 +10,9 @@ _PREFIX_TOKENS = 6  # prompt tokens that give the first output token its context
 class IncrementalDetokenizer:
     """Wraps `tokenizers.decoders.DecodeStream`; bytes of a split character wait for the rest."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int],
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
         prefix = prompt_ids[-_PREFIX_TOKENS:]
         if prefix and tokenizer.decode(prefix, skip_special_tokens=False).endswith("\ufffd"):
             prefix = []  # the prompt ends inside a character: its bytes are not ours to finish

@@ -280,8 +280,9 @@ class NatsEngineClient:
         """Request-reply on the submit subject; raises EngineError unless accepted."""
         assert self._nc is not None
         try:
-            msg = await self._nc.request(self.subjects.submit, encode(request),
-                                         timeout=self.submit_timeout)
+            msg = await self._nc.request(
+                self.subjects.submit, encode(request), timeout=self.submit_timeout
+            )
             reply = self._reply_decoder.decode(msg.data)
         except nats.errors.NoRespondersError:
             raise EngineError(503, "no scheduler is listening") from None
@@ -329,15 +330,20 @@ class NatsEngineClient:
         self._max_model_len = beat.max_model_len or None
         if beat.epoch != self.epoch:
             if self.epoch is not None:
-                logger.warning("scheduler restarted (epoch %s -> %s); moving %d requests",
-                               self.epoch, beat.epoch, len(self._inflight))
+                logger.warning(
+                    "scheduler restarted (epoch %s -> %s); moving %d requests",
+                    self.epoch,
+                    beat.epoch,
+                    len(self._inflight),
+                )
                 self._request_migration()
             self.epoch = beat.epoch
 
     async def _on_error(self, e: Exception) -> None:
         if isinstance(e, nats.errors.SlowConsumerError):  # deltas were dropped: move requests
-            logger.warning("NATS dropped messages for a slow consumer; moving %d requests",
-                           len(self._inflight))
+            logger.warning(
+                "NATS dropped messages for a slow consumer; moving %d requests", len(self._inflight)
+            )
             self._request_migration()
         else:
             logger.debug("NATS error: %s", e)
@@ -373,8 +379,11 @@ class NatsEngineClient:
         await self._publish_abort([old_id])
         params = msgspec.structs.replace(record.request.sampling_params, prompt_logprobs=None)
         continuation = msgspec.structs.replace(
-            record.request, req_id=record.engine_id, sampling_params=params,
-            output_token_ids=list(record.output_token_ids))
+            record.request,
+            req_id=record.engine_id,
+            sampling_params=params,
+            output_token_ids=list(record.output_token_ids),
+        )
         deadline = time.monotonic() + self.resubmit_timeout
         delay = 0.1
         while self._inflight.get(record.request.req_id) is record:
@@ -396,8 +405,11 @@ class NatsEngineClient:
             await asyncio.sleep(1.0)
             silent = time.monotonic() - self._last_heartbeat
             if self._inflight and silent > self.orphan_timeout:
-                logger.error("no scheduler heartbeat for %.0f s; failing %d requests",
-                             silent, len(self._inflight))
+                logger.error(
+                    "no scheduler heartbeat for %.0f s; failing %d requests",
+                    silent,
+                    len(self._inflight),
+                )
                 for record in list(self._inflight.values()):
                     self._fail(record, EngineError(503, "lost contact with the scheduler"))
 

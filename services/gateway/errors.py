@@ -48,8 +48,9 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> Response:
     """A JSON error response; ASCII-escaped so that any echoed client text always encodes."""
     headers = dict(headers or {})
     if status in (429, 503):
@@ -64,8 +65,9 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 def _is_field(part: str) -> bool:
     """Pydantic names union members in error locations (`list[int]`, `str`, a model name)."""
-    return not (part in _TYPE_TAGS or "[" in part or part.startswith("function-")
-                or part[:1].isupper())
+    return not (
+        part in _TYPE_TAGS or "[" in part or part.startswith("function-") or part[:1].isupper()
+    )
 
 
 def validation_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
@@ -98,5 +100,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
         messages = {404: "Not Found", 405: "Method Not Allowed"}
         detail = exc.detail if isinstance(exc.detail, str) else messages.get(exc.status_code, "")
-        return error_response(exc.status_code, detail or HTTPStatus(exc.status_code).phrase,
-                              headers=dict(exc.headers or {}))
+        return error_response(
+            exc.status_code,
+            detail or HTTPStatus(exc.status_code).phrase,
+            headers=dict(exc.headers or {}),
+        )

@@ -36,8 +36,14 @@ def abort_soon(engine: EngineClient, req_ids: Sequence[str]) -> None:
 
 
 class Generation:
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, metrics: GatewayMetrics,
-                 specs: list[ChoiceSpec], arrival: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Tokenizer,
+        metrics: GatewayMetrics,
+        specs: list[ChoiceSpec],
+        arrival: float | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.choices = [ChoiceState(spec, tokenizer) for spec in specs]
@@ -47,13 +53,20 @@ class Generation:
 
     async def start(self, gateway_id: str = "") -> None:
         """Submit all choices; raise APIError (after aborting the accepted ones) on rejection."""
-        requests = [SubmitRequest(req_id=c.spec.req_id, gateway_id=gateway_id,
-                                  prompt_token_ids=c.spec.prompt_ids,
-                                  sampling_params=c.spec.params) for c in self.choices]
+        requests = [
+            SubmitRequest(
+                req_id=c.spec.req_id,
+                gateway_id=gateway_id,
+                prompt_token_ids=c.spec.prompt_ids,
+                sampling_params=c.spec.params,
+            )
+            for c in self.choices
+        ]
         started = time.monotonic()
         try:
-            results = await asyncio.gather(*(self.engine.submit(r) for r in requests),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(self.engine.submit(r) for r in requests), return_exceptions=True
+            )
         except asyncio.CancelledError:  # the server is going away mid-submit
             abort_soon(self.engine, [r.req_id for r in requests])
             raise
@@ -67,14 +80,19 @@ class Generation:
             raise error
         self._streams = streams
         self.metrics.in_flight.inc()
-        logger.info("submitted %d choice(s)", len(streams),
-                    extra={"engine_req_ids": [s.req_id for s in streams]})
+        logger.info(
+            "submitted %d choice(s)",
+            len(streams),
+            extra={"engine_req_ids": [s.req_id for s in streams]},
+        )
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Updates of all choices, interleaved; raises APIError if the engine loses one."""
         queue: asyncio.Queue[ChoiceUpdate | EngineError] = asyncio.Queue()
-        pumps = [asyncio.create_task(self._pump(c, s, t, queue))
-                 for c, s, t in zip(self.choices, self._streams, self.timers, strict=True)]
+        pumps = [
+            asyncio.create_task(self._pump(c, s, t, queue))
+            for c, s, t in zip(self.choices, self._streams, self.timers, strict=True)
+        ]
         try:
             remaining = len(pumps)
             while remaining:
@@ -88,8 +106,13 @@ class Generation:
                 pump.cancel()
             self._cleanup()
 
-    async def _pump(self, choice: ChoiceState, stream: RequestStream, timer: ChoiceTimer,
-                    queue: asyncio.Queue[ChoiceUpdate | EngineError]) -> None:
+    async def _pump(
+        self,
+        choice: ChoiceState,
+        stream: RequestStream,
+        timer: ChoiceTimer,
+        queue: asyncio.Queue[ChoiceUpdate | EngineError],
+    ) -> None:
         try:
             async for delta in stream:
                 update = choice.process(delta)

@@ -20,16 +20,20 @@ def _clamp(value: float) -> float:
 
 
 def _alternatives(lp: TokenLogprobs, num_top: int) -> list[tuple[int, float]]:
-    return list(zip(lp.token_ids[1:1 + num_top], lp.logprobs[1:1 + num_top], strict=False))
+    return list(zip(lp.token_ids[1 : 1 + num_top], lp.logprobs[1 : 1 + num_top], strict=False))
 
 
 def _usable(lp: TokenLogprobs | None) -> TokenLogprobs | None:
     return lp if lp is not None and lp.logprobs else None
 
 
-def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],
-                        logprobs: list[TokenLogprobs | None], offsets: list[int],
-                        num_top: int) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Tokenizer,
+    token_ids: list[int],
+    logprobs: list[TokenLogprobs | None],
+    offsets: list[int],
+    num_top: int,
+) -> dict[str, Any]:
     """`{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` for these tokens."""
     names = tokenizer.token_strs(token_ids)
     usable = [_usable(lp) for lp in logprobs]
@@ -47,31 +51,43 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],
             top.setdefault(alt_name, _clamp(value))
         token_logprobs.append(top[name])
         top_logprobs.append(top)
-    return {"tokens": names, "token_logprobs": token_logprobs,
-            "top_logprobs": top_logprobs, "text_offset": offsets}
+    return {
+        "tokens": names,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
 
 
-def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int],
-                  logprobs: list[TokenLogprobs | None], num_top: int) -> list[dict[str, Any]]:
+def chat_logprobs(
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs | None], num_top: int
+) -> list[dict[str, Any]]:
     """The `logprobs.content` entries of a chat choice (or chunk)."""
 
     def entry(token_id: int, value: float) -> dict[str, Any]:
-        return {"token": tokenizer.token_strs([token_id])[0], "logprob": _clamp(value),
-                "bytes": list(tokenizer.token_bytes(token_id))}
+        return {
+            "token": tokenizer.token_strs([token_id])[0],
+            "logprob": _clamp(value),
+            "bytes": list(tokenizer.token_bytes(token_id)),
+        }
 
     content = []
     for token_id, lp in zip(token_ids, map(_usable, logprobs), strict=True):
         if lp is None:
             content.append({**entry(token_id, _FLOOR), "top_logprobs": []})
             continue
-        content.append({**entry(token_id, lp.logprobs[0]),
-                        "top_logprobs": [entry(i, v) for i, v in _alternatives(lp, num_top)]})
+        content.append(
+            {
+                **entry(token_id, lp.logprobs[0]),
+                "top_logprobs": [entry(i, v) for i, v in _alternatives(lp, num_top)],
+            }
+        )
     return content
 
 
-def prompt_logprobs_body(tokenizer: Tokenizer, prompt_ids: list[int],
-                         logprobs: list[TokenLogprobs | None] | None
-                         ) -> list[dict[str, dict[str, Any]] | None] | None:
+def prompt_logprobs_body(
+    tokenizer: Tokenizer, prompt_ids: list[int], logprobs: list[TokenLogprobs | None] | None
+) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token `{token_id: {logprob, rank, decoded_token}}`
     (None for the first token). Alternatives are ranked by their order."""
     if logprobs is None:
@@ -82,12 +98,15 @@ def prompt_logprobs_body(tokenizer: Tokenizer, prompt_ids: list[int],
         if lp is None:
             out.append(None)
             continue
-        ranked = [(token_id, lp.logprobs[0], lp.rank),
-                  *((i, v, r) for r, (i, v) in enumerate(_alternatives(lp, len(lp.token_ids)), 1))]
+        ranked = [
+            (token_id, lp.logprobs[0], lp.rank),
+            *((i, v, r) for r, (i, v) in enumerate(_alternatives(lp, len(lp.token_ids)), 1)),
+        ]
         names = tokenizer.token_strs([i for i, _, _ in ranked])
         entry: dict[str, dict[str, Any]] = {}
         for (i, value, rank), name in zip(ranked, names, strict=True):
-            entry.setdefault(str(i), {"logprob": _clamp(value), "rank": rank,
-                                      "decoded_token": name})
+            entry.setdefault(
+                str(i), {"logprob": _clamp(value), "rank": rank, "decoded_token": name}
+            )
         out.append(entry)
     return out

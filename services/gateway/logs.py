@@ -9,8 +9,12 @@ from contextvars import ContextVar
 
 request_id_var: ContextVar[str | None] = ContextVar("request_id", default=None)
 
-_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "request_id",
-                                                    "color_message"}
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {
+    "message",
+    "asctime",
+    "request_id",
+    "color_message",
+}
 
 
 class RequestIdFilter(logging.Filter):

@@ -80,35 +80,57 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     """Flags, with `SKIFF_*` environment variables as defaults (argparse parses those too)."""
     env = os.environ.get
     d = GatewayConfig()
-    p = argparse.ArgumentParser(prog="python -m services.gateway.main",
-                                description="skiff gateway (OpenAI-compatible HTTP API)")
+    p = argparse.ArgumentParser(
+        prog="python -m services.gateway.main",
+        description="skiff gateway (OpenAI-compatible HTTP API)",
+    )
     p.add_argument("--nats-url", default=env("SKIFF_NATS_URL", d.nats_url))
     p.add_argument("--host", default=env("SKIFF_HOST", d.host))
     p.add_argument("--port", type=int, default=env("SKIFF_PORT", str(d.port)))
-    p.add_argument("--model-dir", default=env("SKIFF_MODEL_DIR"),
-                   help="model directory with tokenizer.json (default: the embedded model)")
+    p.add_argument(
+        "--model-dir",
+        default=env("SKIFF_MODEL_DIR"),
+        help="model directory with tokenizer.json (default: the embedded model)",
+    )
     p.add_argument("--served-model-name", default=env("SKIFF_SERVED_MODEL_NAME"))
     p.add_argument("--api-key", default=env("SKIFF_API_KEY"))
     p.add_argument("--subject-prefix", default=env("SKIFF_SUBJECT_PREFIX", d.subject_prefix))
     p.add_argument("--gateway-id", default=env("SKIFF_GATEWAY_ID"))
-    p.add_argument("--max-model-len", type=int, default=env("SKIFF_MAX_MODEL_LEN"),
-                   help="default: announced by the scheduler")
-    p.add_argument("--max-body-bytes", type=int,
-                   default=env("SKIFF_MAX_BODY_BYTES", str(d.max_body_bytes)))
-    p.add_argument("--drain-timeout", type=float,
-                   default=env("SKIFF_DRAIN_TIMEOUT", str(d.drain_timeout)))
-    p.add_argument("--model-wait-timeout", type=float,
-                   default=env("SKIFF_MODEL_WAIT_TIMEOUT", str(d.model_wait_timeout)))
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=env("SKIFF_MAX_MODEL_LEN"),
+        help="default: announced by the scheduler",
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=env("SKIFF_MAX_BODY_BYTES", str(d.max_body_bytes))
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=env("SKIFF_DRAIN_TIMEOUT", str(d.drain_timeout))
+    )
+    p.add_argument(
+        "--model-wait-timeout",
+        type=float,
+        default=env("SKIFF_MODEL_WAIT_TIMEOUT", str(d.model_wait_timeout)),
+    )
     p.add_argument("--log-level", default=env("SKIFF_LOG_LEVEL", d.log_level))
     a = p.parse_args(argv)
     try:
         return GatewayConfig(
-            nats_url=a.nats_url, host=a.host, port=a.port, model_dir=a.model_dir,
-            served_model_name=a.served_model_name, api_key=a.api_key or None,
-            subject_prefix=a.subject_prefix, gateway_id=a.gateway_id,
-            max_model_len=a.max_model_len, max_body_bytes=a.max_body_bytes,
-            drain_timeout=a.drain_timeout, model_wait_timeout=a.model_wait_timeout,
-            log_level=a.log_level)
+            nats_url=a.nats_url,
+            host=a.host,
+            port=a.port,
+            model_dir=a.model_dir,
+            served_model_name=a.served_model_name,
+            api_key=a.api_key or None,
+            subject_prefix=a.subject_prefix,
+            gateway_id=a.gateway_id,
+            max_model_len=a.max_model_len,
+            max_body_bytes=a.max_body_bytes,
+            drain_timeout=a.drain_timeout,
+            model_wait_timeout=a.model_wait_timeout,
+            log_level=a.log_level,
+        )
     except ValueError as e:
         p.error(str(e))
 
@@ -122,8 +144,10 @@ class _DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.ctx.draining:
-            logger.info("draining: finishing in-flight requests (up to %.0f s)",
-                        self.config.timeout_graceful_shutdown or 0)
+            logger.info(
+                "draining: finishing in-flight requests (up to %.0f s)",
+                self.config.timeout_graceful_shutdown or 0,
+            )
         self.ctx.draining = True
         super().handle_exit(sig, frame)
 
@@ -147,8 +171,10 @@ async def _wait_for_tokenizer(model_dir: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not (model_dir / "tokenizer.json").exists():
         if time.monotonic() >= deadline:
-            raise SystemExit(f"no tokenizer.json in {model_dir} (prepare the model first, "
-                             "or set --model-wait-timeout)")
+            raise SystemExit(
+                f"no tokenizer.json in {model_dir} (prepare the model first, "
+                "or set --model-wait-timeout)"
+            )
         await asyncio.sleep(1.0)
 
 
@@ -157,18 +183,39 @@ async def serve(config: GatewayConfig) -> None:
     model_dir = config.resolved_model_dir
     await _wait_for_tokenizer(model_dir, config.model_wait_timeout)
     tokenizer = Tokenizer(model_dir)
-    engine = NatsEngineClient(config.nats_url, gateway_id=config.gateway_id,
-                              subject_prefix=config.subject_prefix)
+    engine = NatsEngineClient(
+        config.nats_url, gateway_id=config.gateway_id, subject_prefix=config.subject_prefix
+    )
     await engine.start()
-    app = create_app(engine, tokenizer, config.resolved_model_name, config.max_model_len,
-                     config.api_key, max_body_bytes=config.max_body_bytes,
-                     model_root=str(model_dir))
-    server = _DrainingServer(uvicorn.Config(
-        app, host=config.host, port=config.port, log_config=None, access_log=False,
-        lifespan="off", timeout_graceful_shutdown=config.drain_timeout,  # type: ignore[arg-type]
-        server_header=False), app.state.gateway)
-    logger.info("gateway %s serving %s on %s:%d", engine.gateway_id,
-                config.resolved_model_name, config.host, config.port)
+    app = create_app(
+        engine,
+        tokenizer,
+        config.resolved_model_name,
+        config.max_model_len,
+        config.api_key,
+        max_body_bytes=config.max_body_bytes,
+        model_root=str(model_dir),
+    )
+    server = _DrainingServer(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=config.drain_timeout,  # type: ignore[arg-type]
+            server_header=False,
+        ),
+        app.state.gateway,
+    )
+    logger.info(
+        "gateway %s serving %s on %s:%d",
+        engine.gateway_id,
+        config.resolved_model_name,
+        config.host,
+        config.port,
+    )
     try:
         await server.serve()
     finally:

@@ -17,8 +17,30 @@ from prometheus_client.registry import Collector
 
 from services.gateway.engine_client import EngineClient
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
@@ -34,38 +56,58 @@ class GatewayMetrics:
         def count(name: str, doc: str) -> Counter:
             return Counter(name, doc, model, registry=reg)
 
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.",
-                         _LATENCY_BUCKETS).labels(model_name)
-        self.itl = hist("vllm:inter_token_latency_seconds", "Time between token deltas.",
-                        _LATENCY_BUCKETS).labels(model_name)
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
-                        _LATENCY_BUCKETS).labels(model_name)
-        self.request_prompt_tokens = hist("vllm:request_prompt_tokens",
-                                          "Prompt tokens per request.", _TOKEN_BUCKETS
-                                          ).labels(model_name)
-        self.request_generation_tokens = hist("vllm:request_generation_tokens",
-                                              "Generated tokens per request.", _TOKEN_BUCKETS
-                                              ).labels(model_name)
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        ).labels(model_name)
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds", "Time between token deltas.", _LATENCY_BUCKETS
+        ).labels(model_name)
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS
+        ).labels(model_name)
+        self.request_prompt_tokens = hist(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
+        ).labels(model_name)
+        self.request_generation_tokens = hist(
+            "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
+        ).labels(model_name)
         self.prompt_tokens = count("vllm:prompt_tokens", "Prefill tokens.").labels(model_name)
-        self.generation_tokens = count("vllm:generation_tokens",
-                                       "Generated tokens.").labels(model_name)
-        self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=reg)
+        self.generation_tokens = count("vllm:generation_tokens", "Generated tokens.").labels(
+            model_name
+        )
+        self._success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=reg,
+        )
         self._model = model_name
-        self.http_requests = Counter("skiff_gateway_http_requests", "HTTP requests served.",
-                                     ["method", "route", "status"], registry=reg)
-        self.in_flight = Gauge("skiff_gateway_requests_in_flight",
-                               "Generation requests being served.", registry=reg)
-        self.submit_seconds = Histogram("skiff_gateway_submit_seconds",
-                                        "Submit round trip to the scheduler over NATS.",
-                                        buckets=_LATENCY_BUCKETS, registry=reg)
-        self.client_disconnects = Counter("skiff_gateway_client_disconnects",
-                                          "Requests aborted because the client left.",
-                                          registry=reg)
-        self.stop_string_aborts = Counter("skiff_gateway_stop_string_aborts",
-                                          "Requests finished by a stop string.", registry=reg)
-        ready = Gauge("skiff_gateway_engine_ready", "1 when a scheduler with workers is up.",
-                      registry=reg)
+        self.http_requests = Counter(
+            "skiff_gateway_http_requests",
+            "HTTP requests served.",
+            ["method", "route", "status"],
+            registry=reg,
+        )
+        self.in_flight = Gauge(
+            "skiff_gateway_requests_in_flight", "Generation requests being served.", registry=reg
+        )
+        self.submit_seconds = Histogram(
+            "skiff_gateway_submit_seconds",
+            "Submit round trip to the scheduler over NATS.",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.client_disconnects = Counter(
+            "skiff_gateway_client_disconnects",
+            "Requests aborted because the client left.",
+            registry=reg,
+        )
+        self.stop_string_aborts = Counter(
+            "skiff_gateway_stop_string_aborts", "Requests finished by a stop string.", registry=reg
+        )
+        ready = Gauge(
+            "skiff_gateway_engine_ready", "1 when a scheduler with workers is up.", registry=reg
+        )
         ready.set_function(lambda: float(engine.ready))
         if hasattr(engine, "stats"):
             reg.register(_EngineStatsCollector(engine))
@@ -113,5 +155,8 @@ class _EngineStatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats  # type: ignore[attr-defined]
         for name in ("submitted", "rejected", "aborted", "migrated", "failed"):
-            yield CounterMetricFamily(f"skiff_gateway_engine_{name}",
-                                      f"Engine requests {name}.", value=getattr(stats, name))
+            yield CounterMetricFamily(
+                f"skiff_gateway_engine_{name}",
+                f"Engine requests {name}.",
+                value=getattr(stats, name),
+            )

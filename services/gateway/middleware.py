@@ -56,8 +56,13 @@ class RequestContextMiddleware:
             route = getattr(scope.get("route"), "path", "unmatched")
             method = scope["method"] if scope["method"] in _METHODS else "other"
             self.metrics.http_requests.labels(method, route, str(status)).inc()
-            logger.info("%s %s %d", scope["method"], scope["path"], status, extra={
-                "status": status, "duration_s": round(time.monotonic() - started, 4)})
+            logger.info(
+                "%s %s %d",
+                scope["method"],
+                scope["path"],
+                status,
+                extra={"status": status, "duration_s": round(time.monotonic() - started, 4)},
+            )
             request_id_var.reset(token)
 
 
@@ -70,8 +75,9 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = Headers(scope=scope).get("authorization", "").encode("latin-1")
             if not hmac.compare_digest(given, self.expected):
-                response = error_response(401, "Invalid or missing API key",
-                                          headers={"WWW-Authenticate": "Bearer"})
+                response = error_response(
+                    401, "Invalid or missing API key", headers={"WWW-Authenticate": "Bearer"}
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -87,8 +93,9 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         declared = Headers(scope=scope).get("content-length")
-        if declared is not None and (not _DIGITS.fullmatch(declared)
-                                     or int(declared) > self.max_body_bytes):
+        if declared is not None and (
+            not _DIGITS.fullmatch(declared) or int(declared) > self.max_body_bytes
+        ):
             await self._reject(declared, scope, receive, send)
             return
         chunks, size = [], 0

@@ -33,20 +33,26 @@ def engine_base_id() -> str:
 
 def check_num_choices(num_prompts: int, n: int) -> None:
     if num_prompts * n > MAX_CHOICES:
-        raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n), "
-                            f"got {num_prompts * n}", "n")
+        raise APIError(
+            400,
+            f"at most {MAX_CHOICES} choices per request (prompts x n), got {num_prompts * n}",
+            "n",
+        )
 
 
 def usage(prompt_lens: list[int], choices: list[ChoiceState]) -> Payload:
     """Prompt tokens count once per prompt; cached tokens are the best hit among its choices."""
     per_prompt = len(choices) // max(len(prompt_lens), 1)
-    groups = [choices[i * per_prompt:(i + 1) * per_prompt] for i in range(len(prompt_lens))]
+    groups = [choices[i * per_prompt : (i + 1) * per_prompt] for i in range(len(prompt_lens))]
     cached = sum(max((c.num_cached_tokens for c in group), default=0) for group in groups)
     prompt_tokens = sum(prompt_lens)
     completion_tokens = sum(c.num_tokens for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 async def collect(gen: Generation) -> list[ChoiceUpdate]:
@@ -57,8 +63,12 @@ async def collect(gen: Generation) -> list[ChoiceUpdate]:
     return [merged[i] for i in sorted(merged)]
 
 
-async def respond_once(request: Request, ctx: GatewayContext, gen: Generation,
-                       build: Callable[[list[ChoiceUpdate]], Payload]) -> Response:
+async def respond_once(
+    request: Request,
+    ctx: GatewayContext,
+    gen: Generation,
+    build: Callable[[list[ChoiceUpdate]], Payload],
+) -> Response:
     """Non-streaming: wait for all choices (abort them if the client leaves first)."""
     try:
         results = await run_until_disconnect(request, collect(gen))
@@ -70,9 +80,13 @@ async def respond_once(request: Request, ctx: GatewayContext, gen: Generation,
     return JSONResponse(build(results))
 
 
-async def event_stream(ctx: GatewayContext, gen: Generation, opening: list[Payload],
-                       chunk: Callable[[ChoiceUpdate], Payload],
-                       final: Callable[[], Payload] | None) -> AsyncGenerator[str, None]:
+async def event_stream(
+    ctx: GatewayContext,
+    gen: Generation,
+    opening: list[Payload],
+    chunk: Callable[[ChoiceUpdate], Payload],
+    final: Callable[[], Payload] | None,
+) -> AsyncGenerator[str, None]:
     """SSE events: `opening`, then a chunk whenever a choice has new text or finishes (tokens
     without text yet wait for the next chunk), then `final` (usage), then [DONE]. An engine
     failure mid-stream becomes an error event."""

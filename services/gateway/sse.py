@@ -34,11 +34,18 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 
 class EventStreamResponse(StreamingResponse):
-    def __init__(self, events: AsyncGenerator[str, None],
-                 on_close: Callable[[], None] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(events, 200, {"Cache-Control": "no-cache", **(headers or {})},
-                         media_type="text/event-stream")
+    def __init__(
+        self,
+        events: AsyncGenerator[str, None],
+        on_close: Callable[[], None] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(
+            events,
+            200,
+            {"Cache-Control": "no-cache", **(headers or {})},
+            media_type="text/event-stream",
+        )
         self.events = events
         self.on_close = on_close  # runs even if the client left before the first event
 
@@ -61,12 +68,14 @@ class EventStreamResponse(StreamingResponse):
                     self.on_close()
 
     async def _stream(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
         with contextlib.suppress(OSError):  # ASGI 2.4 servers raise on a closed connection
             async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode(),
-                            "more_body": True})
+                await send(
+                    {"type": "http.response.body", "body": event.encode(), "more_body": True}
+                )
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

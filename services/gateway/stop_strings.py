@@ -29,14 +29,14 @@ class StopStringMatcher:
         if hit is not None:
             pos, stop = hit
             end = pos + len(stop) if self.include_in_output else pos
-            released = window[len(self._tail):end]
+            released = window[len(self._tail) : end]
             self._held = self._tail = ""
             return released, stop
         keep = 0 if self.include_in_output else self._partial_suffix(window)
-        released = window[len(self._tail):len(window) - keep]
-        self._held = window[len(window) - keep:]
+        released = window[len(self._tail) : len(window) - keep]
+        self._held = window[len(window) - keep :]
         if self.include_in_output and self._longest > 1:
-            self._tail = (self._tail + released)[-(self._longest - 1):]
+            self._tail = (self._tail + released)[-(self._longest - 1) :]
         return released, None
 
     def flush(self) -> str:

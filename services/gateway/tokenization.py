@@ -20,8 +20,9 @@ def router(ctx: GatewayContext) -> APIRouter:
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         ctx.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            text = ctx.render_chat(body.messages, body.add_generation_prompt,
-                                   body.continue_final_message)
+            text = ctx.render_chat(
+                body.messages, body.add_generation_prompt, body.continue_final_message
+            )
         else:
             text = body.prompt
         tokens = await ctx.encode(text, body.add_special_tokens)

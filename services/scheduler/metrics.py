@@ -47,9 +47,13 @@ class SchedulerMetrics:
             buckets=STEP_BUCKETS,
             registry=r,
         )
-        self.execute_seconds = Histogram("skiff_worker_execute_seconds",
-                                         "Worker time per step (inputs, forward, sampling).",
-                                         ["worker_id"], buckets=STEP_BUCKETS, registry=r)
+        self.execute_seconds = Histogram(
+            "skiff_worker_execute_seconds",
+            "Worker time per step (inputs, forward, sampling).",
+            ["worker_id"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.schedule_seconds = Histogram(
             "skiff_schedule_seconds",
             "CPU time of one schedule() + update() pair.",

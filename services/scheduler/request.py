@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from shared.protocol import SamplingParams
+from shared.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -17,8 +17,8 @@ from shared.config import SchedulerConfig
 from shared.protocol import (
     BatchPlan,
     CachedRequestData,
+    ModelRunnerOutput,
     NewRequestData,
-    SamplerOutput,
     TokenLogprobs,
 )
 
@@ -195,7 +195,7 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------------
 
-    def update(self, output: SamplerOutput) -> list[RequestOutput]:
+    def update(self, output: ModelRunnerOutput) -> list[RequestOutput]:
         """Append sampled tokens, run stop checks, free finished requests."""
         outputs = []
         for i, req_id in enumerate(output.req_ids):

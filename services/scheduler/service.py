@@ -26,8 +26,8 @@ from shared import bus
 from shared.config import SchedulerConfig
 from shared.protocol import (
     AbortRequests,
+    ModelRunnerOutput,
     OutputBatch,
-    SamplerOutput,
     SchedulerHeartbeat,
     SubmitReply,
     SubmitRequest,
@@ -36,7 +36,7 @@ from shared.protocol import (
     decoder,
     encode,
 )
-from shared.sampling_validation import SamplingParamsError, validate_sampling_params
+from shared.sampling_params import SamplingParamsError, validate_sampling_params
 from shared.subjects import Subjects
 
 log = logging.getLogger("skiff.scheduler")
@@ -78,7 +78,8 @@ class SchedulerService:
         self.metrics = SchedulerMetrics(config.model_name)
         self.draining = False
         self._dec = {
-            cls: decoder(cls) for cls in (SubmitRequest, AbortRequests, WorkerHello, SamplerOutput)
+            cls: decoder(cls)
+            for cls in (SubmitRequest, AbortRequests, WorkerHello, ModelRunnerOutput)
         }
         self._tasks: list[asyncio.Task] = []
         self._counted: dict = {}
@@ -223,7 +224,7 @@ class SchedulerService:
 
     async def _on_result(self, payload: bytes, _msg: Msg) -> None:
         try:
-            output = self._dec[SamplerOutput].decode(payload)
+            output = self._dec[ModelRunnerOutput].decode(payload)
         except msgspec.DecodeError:
             log.warning("ignoring malformed sampler output")
             return
@@ -242,7 +243,7 @@ class SchedulerService:
                 await wakeup.wait()
             t0 = time.perf_counter()
             plan = core.schedule()
-            plan.scheduler_epoch = f"{self.epoch}:{worker.session}"
+            plan.worker_session = f"{self.epoch}:{worker.session}"
             if (
                 not plan.num_scheduled_tokens
                 and not plan.finished_req_ids

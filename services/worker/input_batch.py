@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.worker.sampler.tables import BadWordsTable, TokenMaskTable, TokenTable
-from shared.protocol import SamplingParams
-from shared.sampling_validation import GREEDY_EPS, LOGPROBS_MODES
+from shared.sampling_params import GREEDY_EPS, LOGPROBS_MODES, SamplingParams
 
 
 @dataclass

@@ -15,12 +15,12 @@ from services.worker.loader import load_model
 from services.worker.model_config import ModelConfig
 from services.worker.sampler import (
     Sampler,
-    SamplerResult,
+    SamplerOutput,
     SamplingMetadata,
     build_sampling_metadata,
 )
 from services.worker.sampler import prompt_logprobs as prompt_lp
-from shared.protocol import BatchPlan, SamplerOutput, TokenLogprobs
+from shared.protocol import BatchPlan, ModelRunnerOutput, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,10 @@ class ModelRunner:
     # ---- the step ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: BatchPlan) -> SamplerOutput:
+    def execute(self, plan: BatchPlan) -> ModelRunnerOutput:
         self._update_states(plan)
         if not plan.num_scheduled_tokens:
-            return SamplerOutput(step_id=plan.step_id)
+            return ModelRunnerOutput(step_id=plan.step_id)
         inputs = self._prepare_inputs(plan)
         self.num_tokens_computed += len(inputs.positions)
         hidden = self._forward(inputs)  # [num_tokens, hidden_size]
@@ -192,8 +192,8 @@ class ModelRunner:
         return build_sampling_metadata(self.batch, rows, mc.vocab_size, eos, self.device)
 
     def _write_back(
-        self, step_id: int, inputs: StepInputs, sampling_rows: np.ndarray, result: SamplerResult
-    ) -> SamplerOutput:
+        self, step_id: int, inputs: StepInputs, sampling_rows: np.ndarray, result: SamplerOutput
+    ) -> ModelRunnerOutput:
         sampled = result.sampled_token_ids.cpu().numpy()  # [num_sampling]
         self.batch.append_tokens(sampling_rows, sampled)
         per_req: list[list[int]] = [[] for _ in inputs.req_ids]
@@ -204,7 +204,7 @@ class ModelRunner:
             self.requests[inputs.req_ids[i]].output_token_ids.append(token)
             per_req[i] = [token]
             logprobs[i] = lp_rows[j]
-        return SamplerOutput(
+        return ModelRunnerOutput(
             step_id=step_id,
             req_ids=inputs.req_ids,
             sampled_token_ids=per_req,
@@ -212,7 +212,7 @@ class ModelRunner:
         )
 
     def _logprobs_lists(
-        self, result: SamplerResult, rows: np.ndarray
+        self, result: SamplerOutput, rows: np.ndarray
     ) -> list[TokenLogprobs | None]:
         if result.logprobs is None:
             return [None] * len(rows)

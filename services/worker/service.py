@@ -35,7 +35,7 @@ class WorkerService:
         self.runner = runner
         self.subjects = Subjects(config.subject_prefix)
         self.instance_id = uuid.uuid4().hex
-        self.scheduler_epoch = ""
+        self.worker_session = ""
         # One thread: plans run strictly in arrival order, heartbeats go on meanwhile.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
         self._plans: asyncio.Queue[BatchPlan] = asyncio.Queue()
@@ -84,10 +84,10 @@ class WorkerService:
         loop = asyncio.get_running_loop()
         while True:
             plan = await self._plans.get()
-            if plan.scheduler_epoch != self.scheduler_epoch:
-                if self.scheduler_epoch:
+            if plan.worker_session != self.worker_session:
+                if self.worker_session:
                     log.warning("new scheduler epoch: dropping all request state")
-                self.scheduler_epoch = plan.scheduler_epoch
+                self.worker_session = plan.worker_session
                 await loop.run_in_executor(self.executor, self.runner.reset)
             start = time.perf_counter()
             try:

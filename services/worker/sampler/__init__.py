@@ -2,6 +2,6 @@
 
 from services.worker.sampler.builder import build_sampling_metadata
 from services.worker.sampler.metadata import SamplingMetadata
-from services.worker.sampler.sampler import Sampler, SamplerResult
+from services.worker.sampler.sampler import Sampler, SamplerOutput
 
-__all__ = ["Sampler", "SamplerResult", "SamplingMetadata", "build_sampling_metadata"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "build_sampling_metadata"]

@@ -23,7 +23,7 @@ from services.worker.sampler.metadata import (
     TokenRows,
 )
 from services.worker.sampler.tables import TokenTable
-from shared.sampling_validation import GREEDY_EPS
+from shared.sampling_params import GREEDY_EPS
 
 if TYPE_CHECKING:
     from services.worker.input_batch import InputBatch

@@ -24,7 +24,7 @@ from services.worker.sampler.topk_topp import Cutoffs, mask_below, rows_of
 
 
 @dataclass
-class SamplerResult:
+class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [num_reqs] int64
     # With logprobs requested: [num_reqs, 1 + max_logprobs] ids / values, sampled token first;
     # rows that asked for none hold zeros.
@@ -42,10 +42,10 @@ class Sampler:
             self._generator.manual_seed(seed)
         self._buffers: dict[str, torch.Tensor] = {}  # logprobs snapshots, reused across steps
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerResult:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [num_reqs, vocab_size], modified in place -> one token per row."""
         if not len(logits):
-            return SamplerResult(torch.empty(0, dtype=torch.long, device=logits.device))
+            return SamplerOutput(torch.empty(0, dtype=torch.long, device=logits.device))
         lp = meta.logprobs
         raw = self._raw(logits, meta) if lp is not None else None
         logits = logits.float()
@@ -53,7 +53,7 @@ class Sampler:
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
         sampled, processed = self._sample(logits, meta)
-        result = SamplerResult(sampled_token_ids=sampled)
+        result = SamplerOutput(sampled_token_ids=sampled)
         if lp is not None:
             _attach_logprobs(result, meta, raw, processed)
         return result
@@ -148,7 +148,7 @@ def apply_filters(logits: torch.Tensor, meta: SamplingMetadata) -> Cutoffs | Non
 
 
 def _attach_logprobs(
-    result: SamplerResult,
+    result: SamplerOutput,
     meta: SamplingMetadata,
     raw: torch.Tensor | None,
     processed: torch.Tensor | None,

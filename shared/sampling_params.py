@@ -1,23 +1,78 @@
-"""Range checks for `SamplingParams`, with vLLM's ranges and wording; no torch.
+"""The rulebook for sampling parameters: the `SamplingParams` wire struct, its constants,
+derived properties, the one validator and the context-length rules (vLLM's ranges and wording).
 
-`validate_sampling_params(params, vocab_size)` raises `SamplingParamsError(message, param)`;
-the gateway turns it into a 400 with `param` set, the scheduler may call it as well. `param`
-names the API field: the `SamplingParams` field name, except `bad_words_token_ids`, which is
-reported as `bad_words` (the field a client sends).
+The gateway turns `SamplingParamsError` into a 400 with `param` set; the scheduler and the
+offline `LLM` call the same `validate_sampling_params`. `param` names the API field: the
+`SamplingParams` field name, except `bad_words_token_ids`, which is reported as `bad_words`
+(the field a client sends). No torch here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import NoReturn
 
-from shared.protocol import SamplingParams
+import msgspec
 
+GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20
 MAX_ABS_LOGIT_BIAS = 100.0
-GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
+MAX_TEMPERATURE = 2.0
+MAX_ABS_PENALTY = 2.0  # presence and frequency penalties
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-_INT64 = (-(2**63), 2**63 - 1)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Per-request sampling parameters (vLLM's names and defaults); checked by
+    `validate_sampling_params`.
+
+    `top_k` of -1 (or 0) disables top-k; `max_tokens` of None means "up to the context length".
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    # What `logprobs` report: "raw_logprobs" (default), "raw_logits", "processed_logprobs" or
+    # "processed_logits" (after penalties, temperature and filters), as vLLM's option.
+    logprobs_mode: str = "raw_logprobs"
+
+    @property
+    def greedy(self) -> bool:
+        return is_greedy(self.temperature)
+
+    @property
+    def logprobs_mode_index(self) -> int:
+        return LOGPROBS_MODES.index(self.logprobs_mode)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice `index` of n, as its own request: n=1 and, when seeded, the seed
+        `seed + index` (wrapped to stay inside int64), so choices differ but are reproducible."""
+        seed = self.seed
+        if seed is not None:
+            seed = (seed + index - INT64_MIN) % 2**64 + INT64_MIN
+        return msgspec.structs.replace(self, n=1, seed=seed)
+
+
+def is_greedy(temperature: float) -> bool:
+    """The one greedy rule (numpy arrays work too)."""
+    return temperature < GREEDY_EPS
 
 
 class SamplingParamsError(ValueError):
@@ -35,21 +90,21 @@ def validate_sampling_params(params: SamplingParams, vocab_size: int) -> None:
         check(params, vocab_size)
 
 
-def _fail(message: str, param: str) -> None:
+def _fail(message: str, param: str) -> NoReturn:
     raise SamplingParamsError(message, param)
 
 
 def _check_n(p: SamplingParams, _: int) -> None:
     if p.n < 1:
         _fail(f"n must be at least 1, got {p.n}.", "n")
-    if p.n > 1 and math.isfinite(p.temperature) and p.temperature < GREEDY_EPS:
+    if p.n > 1 and math.isfinite(p.temperature) and p.greedy:
         _fail(f"n must be 1 when using greedy sampling, got {p.n}.", "n")
 
 
 def _check_penalties(p: SamplingParams, _: int) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(p, name)
-        if not -2.0 <= value <= 2.0:
+        if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
             _fail(f"{name} must be in [-2, 2], got {value}.", name)
     rep = p.repetition_penalty
     if not math.isfinite(rep):
@@ -64,7 +119,7 @@ def _check_temperature(p: SamplingParams, _: int) -> None:
         _fail(f"temperature must be a finite number, got {t}.", "temperature")
     if t < 0.0:
         _fail(f"temperature must be non-negative, got {t}.", "temperature")
-    if t > 2.0:
+    if t > MAX_TEMPERATURE:
         _fail(f"temperature must be in [0, 2], got {t}.", "temperature")
 
 
@@ -111,7 +166,7 @@ def _check_logprobs(p: SamplingParams, _: int) -> None:
 
 
 def _check_seed(p: SamplingParams, _: int) -> None:
-    if p.seed is not None and not _INT64[0] <= p.seed <= _INT64[1]:
+    if p.seed is not None and not INT64_MIN <= p.seed <= INT64_MAX:
         _fail(f"seed must fit in a signed 64-bit integer, got {p.seed}.", "seed")
 
 
@@ -160,3 +215,38 @@ _CHECKS: tuple[Callable[[SamplingParams, int], None], ...] = (
     _check_logit_bias,
     _check_token_lists,
 )
+
+
+# ---- context length -----------------------------------------------------------------------
+
+
+def check_prompt_fits(num_prompt_tokens: int, max_model_len: int, param: str = "prompt") -> None:
+    """An engine needs at least one free position after the prompt (vLLM's wording)."""
+    if num_prompt_tokens == 0:
+        _fail("The decoder prompt cannot be empty", param)
+    if num_prompt_tokens >= max_model_len:
+        _fail(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
+            "input messages.",
+            param,
+        )
+
+
+def resolve_max_tokens(
+    requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str = "prompt"
+) -> int:
+    """The completion budget the API grants: the rest of the context when none is requested;
+    a request whose prompt plus `requested` exceeds the context is refused."""
+    check_prompt_fits(num_prompt_tokens, max_model_len, prompt_param)
+    if requested is None:
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + requested > max_model_len:
+        _fail(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+            f"messages, {requested} in the completion). Please reduce the length of the "
+            "messages or completion.",
+            "max_tokens",
+        )
+    return requested
