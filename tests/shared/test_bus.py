@@ -5,20 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 
-import pytest
-
-from services.launcher import Stack, StackConfig
 from shared import bus
 from shared.protocol import BatchPlan, NewRequestData, decoder, encode
 from shared.sampling_params import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def nats_url():
-    stack = Stack(StackConfig(model_dir="", served_model_name=""))
-    stack.start_nats()
-    yield stack.nats_url
-    stack.stop()
 
 
 def test_large_message_is_split_and_reassembled(nats_url):

@@ -23,7 +23,7 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "skiff"
 TEMPLATES = CHART / "templates"
 DOCKER = ROOT / "docker"

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from scipy.stats import chisquare
-from test_sampler import Req, make_metadata, ref_filters
 
 from services.worker.sampler import Sampler
 from shared.sampling_params import SamplingParams
+from tests.worker.sampler.test_sampler import Req, make_metadata, ref_filters
 
 DRAWS = 20_000
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.5, 0.0, -0.3, -0.8, -1.5, -2.5, -4.0])

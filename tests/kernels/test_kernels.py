@@ -444,7 +444,7 @@ def test_kernels_compile_for_sm90() -> None:
     """The interpreter does not compile: run the real compiler for Hopper, no GPU needed."""
     if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("Triton without its NVIDIA backend")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     cmd = [sys.executable, "-m", "kernels.compile_check", "--arch", "90"]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)

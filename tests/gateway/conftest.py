@@ -1,0 +1,30 @@
+"""Fixtures of the gateway tests: the real tokenizer of the default model, a scripted engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.default_model import default_model_dir
+from shared.tokenizer import Tokenizer
+from tests.gateway.fakes import FakeEngine, make_client
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(default_model_dir())
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def engine(tokenizer: Tokenizer) -> FakeEngine:
+    return FakeEngine(tokenizer)
+
+
+@pytest.fixture
+async def client(engine: FakeEngine, tokenizer: Tokenizer):
+    async with make_client(engine, tokenizer) as c:
+        yield c
