@@ -177,6 +177,7 @@ class WorkerHello(msgspec.Struct, kw_only=True):
     block_size: int
     num_blocks: int
     max_model_len: int
+    max_num_seqs: int  # rows of the worker's persistent batch: the most requests in one plan
     device: str
     vocab_size: int
     eos_token_ids: list[int] = []

@@ -51,6 +51,7 @@ class WorkerService:
             block_size=r.config.block_size,
             num_blocks=r.config.num_blocks,
             max_model_len=r.max_model_len,
+            max_num_seqs=r.config.max_num_seqs,
             device=str(r.device),
             vocab_size=mc.vocab_size,
             eos_token_ids=list(mc.eos_token_ids),

@@ -119,6 +119,7 @@ MESSAGES = [
         block_size=16,
         num_blocks=100,
         max_model_len=2048,
+        max_num_seqs=64,
         device="cuda:0",
         vocab_size=49152,
         eos_token_ids=[2],
