@@ -7,9 +7,9 @@ import asyncio
 
 from prometheus_client import start_http_server
 
-from services.scheduler.service import SchedulerService, ServiceConfig
+from services.scheduler.service import SchedulerService
 from shared.cli_args import add_common, env_default, setup_logging, wait_for_signal
-from shared.config import SchedulerConfig
+from shared.config import SchedulerConfig, SchedulerServiceConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     service = SchedulerService(
-        ServiceConfig(
+        SchedulerServiceConfig(
             nats_url=args.nats_url,
             subject_prefix=args.subject_prefix,
             model_name=args.served_model_name,

@@ -13,7 +13,6 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
 
 import msgspec
 from nats.aio.msg import Msg
@@ -23,7 +22,7 @@ from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.scheduler import RequestOutput
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared import bus
-from shared.config import SchedulerConfig
+from shared.config import SchedulerConfig, SchedulerServiceConfig
 from shared.protocol import (
     AbortRequests,
     ModelRunnerOutput,
@@ -42,18 +41,6 @@ from shared.subjects import Subjects
 log = logging.getLogger("skiff.scheduler")
 
 
-@dataclass(frozen=True)
-class ServiceConfig:
-    nats_url: str = "nats://127.0.0.1:4222"
-    subject_prefix: str = "skiff"
-    model_name: str = ""  # label of the vllm:* metrics
-    max_waiting: int = 1024  # queued requests beyond this are refused with 429
-    heartbeat_interval_s: float = 0.5
-    worker_timeout_s: float = 5.0  # a worker silent this long is declared lost
-    step_timeout_s: float = 120.0  # a step result this late: the plan or result was lost
-    drain_timeout_s: float = 30.0
-
-
 def context_length_error(max_len: int, num_prompt: int, max_tokens: int | None) -> str:
     requested = num_prompt + (max_tokens or 0)
     return (
@@ -64,7 +51,7 @@ def context_length_error(max_len: int, num_prompt: int, max_tokens: int | None) 
 
 
 class SchedulerService:
-    def __init__(self, config: ServiceConfig, scheduler_config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerServiceConfig, scheduler_config: SchedulerConfig) -> None:
         self.config = config
         self.subjects = Subjects(config.subject_prefix)
         self.epoch = uuid.uuid4().hex

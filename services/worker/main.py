@@ -6,8 +6,9 @@ import argparse
 import asyncio
 
 from services.worker.model_runner import build_runner
-from services.worker.service import WorkerService, WorkerServiceConfig
+from services.worker.service import WorkerService
 from shared.cli_args import add_common, env_default, setup_logging, wait_for_signal
+from shared.config import WorkerServiceConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -7,26 +7,17 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import msgspec
 from nats.aio.msg import Msg
 
 from services.worker.model_runner import ModelRunner
 from shared import bus
+from shared.config import WorkerServiceConfig
 from shared.protocol import BatchPlan, WorkerHello, decoder, encode
 from shared.subjects import Subjects
 
 log = logging.getLogger("skiff.worker")
-
-
-@dataclass(frozen=True)
-class WorkerServiceConfig:
-    nats_url: str = "nats://127.0.0.1:4222"
-    subject_prefix: str = "skiff"
-    worker_id: str = "worker-0"
-    model_name: str = ""
-    heartbeat_interval_s: float = 1.0
 
 
 class WorkerService:
