@@ -1,8 +1,14 @@
-"""NATS connection helpers: reconnect-forever connections and transparent chunking of
-messages larger than the server's payload limit (1 MiB by default).
+"""The one way onto NATS for every service: connection options, typed publish / subscribe,
+request-reply, and version checks.
 
-A large payload is published as numbered parts carrying `Skiff-Msg` / `Skiff-Part` headers;
-`Reassembler` joins them on the receiving side. Small payloads go out unchanged.
+Messages are the structs of `shared.protocol`. A message larger than the server's payload limit
+(1 MiB by default) is published as numbered parts carrying `Skiff-Msg` / `Skiff-Part` headers
+and joined again by `Reassembler` before decoding. Request-reply messages are never split: a
+request or reply over the limit raises `nats.errors.MaxPayloadError`.
+
+A received message that does not decode, or whose `version` is not `PROTOCOL_VERSION`, is
+dropped with a warning (`subscribe`), answered with `on_malformed` (`serve`) or raised as
+`msgspec.DecodeError` (`request`; `IncompatibleVersionError` for a wrong version).
 """
 
 from __future__ import annotations
@@ -10,29 +16,52 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 
+import msgspec
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from shared.protocol import PROTOCOL_VERSION, encode
 
 log = logging.getLogger("skiff.bus")
 
+M = TypeVar("M", bound=msgspec.Struct)
+R = TypeVar("R", bound=msgspec.Struct)
+
 HEADER_ROOM = 512  # bytes kept free for subject, headers and protocol framing
+_MSG_ID, _PART = "Skiff-Msg", "Skiff-Part"
+
+
+class IncompatibleVersionError(msgspec.DecodeError):
+    """A well-formed message from a peer speaking another protocol version."""
 
 
 async def connect(
-    url: str, name: str, on_reconnect: Callable[[], Awaitable[None]] | None = None
+    url: str | list[str],
+    name: str,
+    *,
+    on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    on_disconnect: Callable[[], Awaitable[None]] | None = None,
+    on_error: Callable[[Exception], Awaitable[None]] | None = None,
 ) -> Client:
-    """Connect and keep reconnecting forever; a NATS blip must never end a service.
-    `on_reconnect` runs after each reconnection (messages in flight may have been lost)."""
+    """Connect and keep reconnecting forever (also for the first connection): a NATS blip must
+    never end a service. The hooks run after the event is logged; after a reconnection,
+    messages in flight may have been lost."""
 
-    async def on_error(exc: Exception) -> None:
+    async def error_cb(exc: Exception) -> None:
         log.warning("nats error: %s", exc)
+        if on_error is not None:
+            await on_error(exc)
 
-    async def on_disconnect() -> None:
+    async def disconnected_cb() -> None:
         log.warning("nats disconnected")
+        if on_disconnect is not None:
+            await on_disconnect()
 
-    async def reconnected() -> None:
+    async def reconnected_cb() -> None:
         log.info("nats reconnected")
         if on_reconnect is not None:
             await on_reconnect()
@@ -45,23 +74,86 @@ async def connect(
         connect_timeout=2,
         ping_interval=5,
         max_outstanding_pings=3,
-        error_cb=on_error,
-        disconnected_cb=on_disconnect,
-        reconnected_cb=reconnected,
+        error_cb=error_cb,
+        disconnected_cb=disconnected_cb,
+        reconnected_cb=reconnected_cb,
     )
 
 
-async def publish(nc: Client, subject: str, payload: bytes, reply: str = "") -> None:
-    """Publish, splitting into parts when the payload exceeds the server's limit."""
+async def publish(nc: Client, subject: str, msg: msgspec.Struct) -> None:
+    """Encode and publish, in parts when the payload exceeds the server's limit."""
+    payload = encode(msg)
     limit = max(nc.max_payload - HEADER_ROOM, 1024)
     if len(payload) <= limit:
-        await nc.publish(subject, payload, reply=reply)
+        await nc.publish(subject, payload)
         return
     msg_id = uuid.uuid4().hex
-    parts = [payload[i : i + limit] for i in range(0, len(payload), limit)]
-    for i, part in enumerate(parts):
-        headers = {"Skiff-Msg": msg_id, "Skiff-Part": f"{i}/{len(parts)}"}
-        await nc.publish(subject, part, reply=reply, headers=headers)
+    num_parts = -(-len(payload) // limit)
+    for i in range(num_parts):
+        headers = {_MSG_ID: msg_id, _PART: f"{i}/{num_parts}"}
+        await nc.publish(subject, payload[i * limit : (i + 1) * limit], headers=headers)
+
+
+async def subscribe(
+    nc: Client,
+    subject: str,
+    msg_type: type[M],
+    handler: Callable[[M], Awaitable[None]],
+    *,
+    queue: str = "",
+) -> Subscription:
+    """Subscribe; `handler` sees whole, decoded messages of the current protocol version."""
+    reassembler = Reassembler()
+    decoder = _decoder(msg_type)
+
+    async def on_msg(msg: Msg) -> None:
+        payload = reassembler.feed(msg)
+        if payload is None:
+            return
+        try:
+            message = _decode(decoder, payload)
+        except msgspec.DecodeError as e:
+            log.warning("dropping a %s on %s: %s", msg_type.__name__, subject, e)
+            return
+        await handler(message)
+
+    return await nc.subscribe(subject, queue=queue, cb=on_msg)
+
+
+async def request(
+    nc: Client, subject: str, msg: msgspec.Struct, reply_type: type[R], timeout: float
+) -> R:
+    """Send a request and decode its reply. NATS errors (`NoRespondersError`, `TimeoutError`)
+    propagate; a malformed or wrong-version reply raises `msgspec.DecodeError`."""
+    reply = await nc.request(subject, encode(msg), timeout=timeout)
+    return _decode(_decoder(reply_type), reply.data)
+
+
+async def serve(
+    nc: Client,
+    subject: str,
+    msg_type: type[M],
+    handler: Callable[[M], Awaitable[msgspec.Struct]],
+    *,
+    on_malformed: Callable[[str], msgspec.Struct] | None = None,
+) -> Subscription:
+    """Answer requests with `handler`'s reply. A malformed or wrong-version request is answered
+    with `on_malformed(error text)` if given, else dropped with a warning."""
+    decoder = _decoder(msg_type)
+
+    async def on_msg(msg: Msg) -> None:
+        try:
+            message = _decode(decoder, msg.data)
+        except msgspec.DecodeError as e:
+            if on_malformed is None:
+                log.warning("dropping a %s on %s: %s", msg_type.__name__, subject, e)
+                return
+            reply = on_malformed(str(e))
+        else:
+            reply = await handler(message)
+        await msg.respond(encode(reply))
+
+    return await nc.subscribe(subject, cb=on_msg)
 
 
 class Reassembler:
@@ -74,17 +166,21 @@ class Reassembler:
 
     def feed(self, msg: Msg) -> bytes | None:
         headers = msg.headers or {}
-        part = headers.get("Skiff-Part")
+        part = headers.get(_PART)
         if part is None:
             return msg.data
-        msg_id = headers["Skiff-Msg"]
-        index, total = (int(x) for x in part.split("/"))
+        try:
+            msg_id = headers[_MSG_ID]
+            index, total = (int(x) for x in part.split("/"))
+        except (KeyError, ValueError):
+            log.warning("dropping a part with malformed headers: %s", headers)
+            return None
         if index == 0:
             if len(self._parts) >= self.max_pending:  # drop the oldest incomplete message
                 self._parts.pop(next(iter(self._parts)))
             self._parts[msg_id] = []
         parts = self._parts.get(msg_id)
-        if parts is None or len(parts) != index:
+        if parts is None or len(parts) != index or index >= total:
             self._parts.pop(msg_id, None)
             log.warning("dropping out-of-order part %s of %s", part, msg_id)
             return None
@@ -94,15 +190,19 @@ class Reassembler:
         return b"".join(self._parts.pop(msg_id))
 
 
-async def subscribe(
-    nc: Client, subject: str, handler: Callable[[bytes, Msg], Awaitable[None]], queue: str = ""
-):
-    """Subscribe with reassembly; `handler(payload, last_msg)` sees whole payloads only."""
-    reassembler = Reassembler()
+_decoders: dict[type[Any], msgspec.msgpack.Decoder[Any]] = {}
 
-    async def on_msg(msg: Msg) -> None:
-        payload = reassembler.feed(msg)
-        if payload is not None:
-            await handler(payload, msg)
 
-    return await nc.subscribe(subject, queue=queue, cb=on_msg)
+def _decoder(msg_type: type[M]) -> msgspec.msgpack.Decoder[M]:
+    """One reusable typed decoder per message class."""
+    if msg_type not in _decoders:
+        _decoders[msg_type] = msgspec.msgpack.Decoder(msg_type)
+    return cast("msgspec.msgpack.Decoder[M]", _decoders[msg_type])
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[M], payload: bytes) -> M:
+    message = decoder.decode(payload)
+    version = getattr(message, "version", None)
+    if version != PROTOCOL_VERSION:
+        raise IncompatibleVersionError(f"protocol version {version}, expected {PROTOCOL_VERSION}")
+    return message
