@@ -8,13 +8,10 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import msgspec
-from nats.aio.msg import Msg
-
 from services.worker.model_runner import ModelRunner
 from shared import bus
 from shared.config import WorkerServiceConfig
-from shared.protocol import BatchPlan, WorkerHello, decoder, encode
+from shared.protocol import BatchPlan, WorkerHello
 from shared.subjects import Subjects
 
 log = logging.getLogger("skiff.worker")
@@ -30,7 +27,6 @@ class WorkerService:
         # One thread: plans run strictly in arrival order, heartbeats go on meanwhile.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
         self._plans: asyncio.Queue[BatchPlan] = asyncio.Queue()
-        self._decode_plan = decoder(BatchPlan)
         self._tasks: list[asyncio.Task] = []
 
     def hello(self) -> WorkerHello:
@@ -50,8 +46,9 @@ class WorkerService:
 
     async def start(self) -> None:
         self.nc = await bus.connect(self.config.nats_url, f"skiff-{self.config.worker_id}")
-        await bus.subscribe(self.nc, self.subjects.plan(self.config.worker_id), self._on_plan)
-        await self.nc.publish(self.subjects.worker_hello, encode(self.hello()))
+        plan_subject = self.subjects.plan(self.config.worker_id)
+        await bus.subscribe(self.nc, plan_subject, BatchPlan, self._plans.put)
+        await bus.publish(self.nc, self.subjects.worker_hello, self.hello())
         self._tasks = [
             asyncio.create_task(self._heartbeat()),
             asyncio.create_task(self._execute_loop()),
@@ -63,14 +60,6 @@ class WorkerService:
             task.cancel()
         await self.nc.drain()
         self.executor.shutdown(wait=False, cancel_futures=True)
-
-    async def _on_plan(self, payload: bytes, _msg: Msg) -> None:
-        try:
-            plan = self._decode_plan.decode(payload)
-        except msgspec.DecodeError:
-            log.error("dropping a malformed plan")
-            return
-        await self._plans.put(plan)
 
     async def _execute_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -90,14 +79,14 @@ class WorkerService:
                 log.exception("step %d failed; dropping all request state", plan.step_id)
                 await loop.run_in_executor(self.executor, self.runner.reset)
                 self.instance_id = uuid.uuid4().hex
-                await self.nc.publish(self.subjects.worker_hello, encode(self.hello()))
+                await bus.publish(self.nc, self.subjects.worker_hello, self.hello())
                 continue
             output.worker_id = self.config.worker_id
             output.execute_s = time.perf_counter() - start
-            await bus.publish(self.nc, self.subjects.result, encode(output))
+            await bus.publish(self.nc, self.subjects.result, output)
 
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             if self.nc.is_connected:
-                await self.nc.publish(self.subjects.worker_heartbeat, encode(self.hello()))
+                await bus.publish(self.nc, self.subjects.worker_heartbeat, self.hello())
