@@ -173,7 +173,7 @@ def _check_seed(p: SamplingParams, _: int) -> None:
 def _check_logit_bias(p: SamplingParams, vocab_size: int) -> None:
     if not p.logit_bias:
         return
-    _check_vocab(p.logit_bias, vocab_size, "logit_bias")
+    check_token_ids(p.logit_bias, vocab_size, "logit_bias")
     for token_id, bias in p.logit_bias.items():
         if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
             _fail(
@@ -183,18 +183,19 @@ def _check_logit_bias(p: SamplingParams, vocab_size: int) -> None:
 
 
 def _check_token_lists(p: SamplingParams, vocab_size: int) -> None:
-    _check_vocab(p.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids(p.stop_token_ids, vocab_size, "stop_token_ids")
     if p.allowed_token_ids is not None:
         if not p.allowed_token_ids:
             _fail("allowed_token_ids is not None and empty!", "allowed_token_ids")
-        _check_vocab(p.allowed_token_ids, vocab_size, "allowed_token_ids")
+        check_token_ids(p.allowed_token_ids, vocab_size, "allowed_token_ids")
     for word in p.bad_words_token_ids or ():
         if not word:
             _fail("bad_words cannot contain an empty word.", "bad_words")
-        _check_vocab(word, vocab_size, "bad_words")
+        check_token_ids(word, vocab_size, "bad_words")
 
 
-def _check_vocab(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
+def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """Every id inside the vocabulary (sampling parameters, prompts given as token ids)."""
     invalid = [t for t in token_ids if not 0 <= t < vocab_size]
     if invalid:
         _fail(

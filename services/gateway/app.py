@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from services.gateway import chat, completions, tokenization
+from services.gateway.config import DEFAULT_MAX_BODY_BYTES
 from services.gateway.context import GatewayContext
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import error_response, install_error_handlers
@@ -26,8 +27,6 @@ from services.gateway.middleware import (
     RequestContextMiddleware,
 )
 from shared.tokenizer import Tokenizer
-
-DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 
 
 def _version() -> str:

@@ -13,12 +13,7 @@ from services.gateway.errors import APIError
 from services.gateway.generation import Generation
 from services.gateway.logprobs import chat_logprobs, prompt_logprobs_body
 from services.gateway.protocol import ChatCompletionRequest
-from services.gateway.sampling import (
-    build_sampling_params,
-    for_choice,
-    resolve_max_tokens,
-    stop_strings,
-)
+from services.gateway.sampling import build_sampling_params, stop_strings
 from services.gateway.serving import (
     Payload,
     check_num_choices,
@@ -29,6 +24,7 @@ from services.gateway.serving import (
     usage,
 )
 from services.gateway.sse import EventStreamResponse
+from shared.sampling_params import resolve_max_tokens
 
 
 def _num_top_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -61,6 +57,7 @@ def router(ctx: GatewayContext) -> APIRouter:
             max_tokens=max_tokens,
             logprobs=num_top,
             prompt_logprobs=body.prompt_logprobs,
+            logprobs_param="top_logprobs",
         )
         base = engine_base_id()
         specs = [
@@ -68,7 +65,7 @@ def router(ctx: GatewayContext) -> APIRouter:
                 i,
                 f"{base}-{i}",
                 prompt_ids,
-                for_choice(params, i),
+                params.for_choice(i),
                 stop_strings(body.stop),
                 body.include_stop_str_in_output,
                 body.skip_special_tokens,

@@ -15,13 +15,7 @@ from services.gateway.errors import APIError
 from services.gateway.generation import Generation
 from services.gateway.logprobs import completion_logprobs, prompt_logprobs_body
 from services.gateway.protocol import CompletionRequest
-from services.gateway.sampling import (
-    build_sampling_params,
-    check_token_ids,
-    for_choice,
-    resolve_max_tokens,
-    stop_strings,
-)
+from services.gateway.sampling import build_sampling_params, stop_strings
 from services.gateway.serving import (
     Payload,
     check_num_choices,
@@ -32,6 +26,7 @@ from services.gateway.serving import (
     usage,
 )
 from services.gateway.sse import EventStreamResponse
+from shared.sampling_params import check_token_ids, resolve_max_tokens
 
 
 @dataclass
@@ -147,7 +142,7 @@ def router(ctx: GatewayContext) -> APIRouter:
                         index,
                         f"{base}-{index}",
                         prompt.token_ids,
-                        for_choice(params, i),
+                        params.for_choice(i),
                         stop_strings(body.stop),
                         body.include_stop_str_in_output,
                         body.skip_special_tokens,

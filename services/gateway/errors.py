@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from shared.sampling_params import SamplingParamsError
+
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
@@ -83,11 +85,16 @@ def _validation_message(error: dict[str, Any]) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Map API, validation and routing errors to OpenAI-style bodies (422 becomes 400)."""
+    """Map API, sampling-parameter, validation and routing errors to OpenAI-style bodies
+    (422 becomes 400)."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:
         return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(SamplingParamsError)
+    async def _sampling_error(_: Request, exc: SamplingParamsError) -> Response:
+        return error_response(400, exc.message, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:

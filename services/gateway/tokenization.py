@@ -10,7 +10,7 @@ from services.gateway.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from services.gateway.sampling import check_token_ids
+from shared.sampling_params import check_token_ids
 
 
 def router(ctx: GatewayContext) -> APIRouter:

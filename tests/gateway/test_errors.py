@@ -21,7 +21,7 @@ BAD_REQUESTS = [
     (C, {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
     (C, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     (C, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    (C, {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias.5"),
+    (C, {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     (C, {"prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     (C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     (C, {"prompt": [1, 99999999]}, 400, "prompt"),

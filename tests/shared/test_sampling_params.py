@@ -6,7 +6,17 @@ import math
 
 import pytest
 
-from shared.sampling_params import SamplingParams, SamplingParamsError, validate_sampling_params
+from shared.sampling_params import (
+    GREEDY_EPS,
+    INT64_MAX,
+    INT64_MIN,
+    SamplingParams,
+    SamplingParamsError,
+    check_prompt_fits,
+    is_greedy,
+    resolve_max_tokens,
+    validate_sampling_params,
+)
 
 VOCAB = 1000
 
@@ -145,3 +155,33 @@ def test_the_module_needs_no_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_greedy_rule():
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=9e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+    assert is_greedy(0.0) and not is_greedy(GREEDY_EPS)
+
+
+def test_for_choice_gives_each_choice_its_own_seed_inside_int64():
+    params = SamplingParams(n=3, seed=7, temperature=0.8)
+    assert [params.for_choice(i).seed for i in range(3)] == [7, 8, 9]
+    assert {params.for_choice(i).n for i in range(3)} == {1}
+    assert SamplingParams(n=2, seed=INT64_MAX).for_choice(1).seed == INT64_MIN
+    assert SamplingParams(n=2).for_choice(1).seed is None
+
+
+def test_max_tokens_is_resolved_against_the_context():
+    assert resolve_max_tokens(None, 10, 100) == 90
+    assert resolve_max_tokens(90, 10, 100) == 90
+    with pytest.raises(SamplingParamsError) as err:
+        resolve_max_tokens(91, 10, 100)
+    assert err.value.param == "max_tokens"
+    assert err.value.message.startswith("This model's maximum context length is 100 tokens.")
+    assert "you requested 101 tokens (10 in the messages, 91 in the completion)" in str(err.value)
+    with pytest.raises(SamplingParamsError) as err:
+        resolve_max_tokens(1, 100, 100, prompt_param="messages")
+    assert err.value.param == "messages" and "your request has 100 input tokens" in str(err.value)
+    with pytest.raises(SamplingParamsError, match="cannot be empty"):
+        check_prompt_fits(0, 100)
+    check_prompt_fits(99, 100)
