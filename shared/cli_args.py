@@ -1,24 +1,153 @@
-"""Flags that fall back to SKIFF_* environment variables (how containers configure services)."""
+"""Command-line flags and `SKIFF_*` environment variables derived from the config dataclasses.
+
+Each field of a frozen config dataclass becomes one flag and one variable: `max_num_seqs` is
+`--max-num-seqs` and `SKIFF_MAX_NUM_SEQS` (a field may choose another public name with
+`setting(..., name=...)`). Precedence: flag, then variable, then the dataclass default, which is
+therefore defined in exactly one place. Booleans take `--x/--no-x` and `true/false` in the
+environment. The same definitions turn a config back into flags (`to_argv`), which is how
+`skiff serve` configures the processes it starts.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
 import signal
+import types
+import typing
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+C = TypeVar("C")
+
+ENV_PREFIX = "SKIFF_"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def env_default(name: str, default, cast=str):
-    value = os.environ.get(f"SKIFF_{name.upper()}")
-    return default if value is None else cast(value)
+def setting(default: Any, help: str, *, name: str | None = None, cli: bool = True) -> Any:
+    """A config field with its help text; `name` is its public flag/variable name when it
+    differs from the field's, `cli=False` keeps it off the command line."""
+    return dataclasses.field(default=default, metadata={"help": help, "name": name, "cli": cli})
 
 
-def add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats-url", default=env_default("nats_url", "nats://127.0.0.1:4222"))
-    parser.add_argument("--subject-prefix", default=env_default("subject_prefix", "skiff"))
-    parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
+def public_name(f: dataclasses.Field[Any]) -> str:
+    return str(f.metadata.get("name") or f.name)
+
+
+def env_var(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _scalar_type(hint: Any) -> tuple[type, bool]:
+    """(type, optional) of a field annotation such as `int`, `str | None` or `float`."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return inner, True
+    return hint, False
+
+
+def _cli_fields(cls: type) -> Iterable[tuple[dataclasses.Field[Any], type, bool]]:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("cli", True) and f.default is not dataclasses.MISSING:
+            yield (f, *_scalar_type(hints[f.name]))
+
+
+class ConfigParser(argparse.ArgumentParser):
+    """An ArgumentParser that adds one flag per config field and builds the configs back."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.env_vars: set[str] = set()  # every SKIFF_* variable this command reads
+        self._configs: list[type] = []
+
+    def add_config(self, cls: type, *, skip: Iterable[str] = ()) -> None:
+        group = self.add_argument_group(cls.__name__, (cls.__doc__ or "").split("\n")[0])
+        for f, kind, optional in _cli_fields(cls):
+            name = public_name(f)
+            if name in skip:
+                continue
+            self._add(group, name, f, kind, optional)
+        self._configs.append(cls)
+
+    def env(self, name: str, default: Any = None, cast: Callable[[str], Any] = str) -> Any:
+        """A variable outside the configs (for a flag added by hand)."""
+        self.env_vars.add(env_var(name))
+        value = os.environ.get(env_var(name))
+        return default if value is None else cast(value)
+
+    def _add(
+        self,
+        group: argparse._ArgumentGroup,
+        name: str,
+        f: dataclasses.Field[Any],
+        kind: type,
+        optional: bool,
+    ) -> None:
+        flag = "--" + name.replace("_", "-")
+        cast: Callable[[str], Any] = _parse_bool if kind is bool else kind
+        try:
+            default = self.env(name, f.default, cast)
+        except ValueError as exc:
+            self.error(f"{env_var(name)}: {exc}")
+        help_text = f"{f.metadata.get('help', '')} [env {env_var(name)}]"
+        if kind is bool:
+            action = argparse.BooleanOptionalAction
+            group.add_argument(flag, dest=name, default=default, action=action, help=help_text)
+        else:
+            group.add_argument(flag, dest=name, type=kind, default=default, help=help_text)
+
+    def parse_configs(
+        self, argv: list[str] | None = None
+    ) -> tuple[argparse.Namespace, dict[type, Any]]:
+        """Parse; returns the namespace and one validated instance per added config class."""
+        ns = self.parse_args(argv)
+        configs = {}
+        for cls in self._configs:
+            try:
+                configs[cls] = config_from(cls, ns)
+            except ValueError as exc:
+                self.error(str(exc))
+        return ns, configs
+
+
+def config_from(cls: type[C], ns: argparse.Namespace, **fixed: Any) -> C:
+    """An instance of `cls` from the parsed flags (fields without a flag keep their default)."""
+    values = {
+        f.name: getattr(ns, public_name(f))
+        for f, _, _ in _cli_fields(cls)
+        if hasattr(ns, public_name(f))
+    }
+    return cls(**{**values, **fixed})
+
+
+def to_argv(config: Any, *, skip: Iterable[str] = ()) -> list[str]:
+    """The flags that reproduce `config` in a child process (fields at their default omitted)."""
+    argv: list[str] = []
+    for f, kind, _ in _cli_fields(type(config)):
+        name, value = public_name(f), getattr(config, f.name)
+        if name in skip or value == f.default:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 class JsonFormatter(logging.Formatter):

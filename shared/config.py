@@ -1,46 +1,86 @@
-"""Configuration shared by the services: frozen dataclasses validated at construction."""
+"""Configuration of the scheduler and the worker service: frozen dataclasses validated at
+construction. Each default is defined here once; `shared.cli_args` derives the flags and
+`SKIFF_*` variables of `skiff scheduler`, `skiff worker` and `skiff serve` from these fields.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from shared.cli_args import setting
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_SUBJECT_PREFIX = "skiff"
+DEFAULT_LOG_LEVEL = "INFO"
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block
+DEFAULT_MAX_NUM_SEQS = 256
+# A cap: each worker also caps it at its model's max_position_embeddings, and the scheduler
+# uses the smallest of its own value and every worker's.
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def _check_positive(config: object, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one scheduling step and of the KV block pool of one worker."""
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int = 2048
-    block_size: int = 16
-    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = setting(2048, "tokens scheduled per step, all requests")
+    max_num_seqs: int = setting(
+        DEFAULT_MAX_NUM_SEQS, "requests per step (each worker's own limit also applies)"
+    )
+    max_model_len: int = setting(DEFAULT_MAX_MODEL_LEN, "context length cap, prompt + output")
+    # Set per worker from its WorkerHello; not a scheduler flag.
+    block_size: int = setting(DEFAULT_BLOCK_SIZE, "tokens per KV block", cli=False)
+    enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        _check_positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+        _check_positive(self, "block_size")
 
 
 @dataclass(frozen=True)
 class SchedulerServiceConfig:
     """The scheduler service: NATS, admission limits, liveness and drain timeouts."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    subject_prefix: str = "skiff"
-    model_name: str = ""  # label of the vllm:* metrics
-    max_waiting: int = 1024  # queued requests beyond this are refused with 429
-    heartbeat_interval_s: float = 0.5
-    worker_timeout_s: float = 5.0  # a worker silent this long is declared lost
-    step_timeout_s: float = 120.0  # a step result this late: the plan or result was lost
-    drain_timeout_s: float = 30.0
+    nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")
+    subject_prefix: str = setting(DEFAULT_SUBJECT_PREFIX, "prefix of every NATS subject")
+    model_name: str = setting("", "label of the vllm:* metrics", name="served_model_name")
+    max_waiting: int = setting(1024, "queued requests beyond this are refused with 429")
+    heartbeat_interval_s: float = setting(
+        0.5, "seconds between scheduler heartbeats", name="heartbeat_interval"
+    )
+    worker_timeout_s: float = setting(
+        5.0, "a worker silent this long is declared lost", name="worker_timeout"
+    )
+    step_timeout_s: float = setting(
+        120.0, "a step result this late: the plan or result was lost", name="step_timeout"
+    )
+    drain_timeout_s: float = setting(
+        30.0, "on SIGTERM, wait this long for running requests", name="drain_timeout"
+    )
+    metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0: off)")
+    log_level: str = setting(DEFAULT_LOG_LEVEL, "DEBUG, INFO, WARNING or ERROR")
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "max_waiting")
+        if min(self.heartbeat_interval_s, self.worker_timeout_s, self.step_timeout_s) <= 0:
+            raise ValueError("heartbeat interval and timeouts must be > 0")
 
 
 @dataclass(frozen=True)
 class WorkerServiceConfig:
     """The worker service: NATS and identity."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    subject_prefix: str = "skiff"
-    worker_id: str = "worker-0"
-    model_name: str = ""
-    heartbeat_interval_s: float = 1.0
+    nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")
+    subject_prefix: str = setting(DEFAULT_SUBJECT_PREFIX, "prefix of every NATS subject")
+    worker_id: str = setting("worker-0", "unique per worker (the pod name in Kubernetes)")
+    model_name: str = setting("", "model name announced to the scheduler", name="served_model_name")
+    heartbeat_interval_s: float = setting(
+        1.0, "seconds between worker heartbeats", name="heartbeat_interval"
+    )
+    log_level: str = setting(DEFAULT_LOG_LEVEL, "DEBUG, INFO, WARNING or ERROR")

@@ -8,131 +8,40 @@ to finish before they are cancelled (which aborts their engine requests).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import os
-import re
 import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
 from prometheus_client import disable_created_metrics
 
-from services.gateway.app import DEFAULT_MAX_BODY_BYTES, create_app
+from services.gateway.app import create_app
+from services.gateway.config import GatewayConfig
 from services.gateway.context import GatewayContext
 from services.gateway.engine_client import NatsEngineClient
 from services.gateway.logs import configure_logging
-from shared.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from shared.cli_args import ConfigParser
 from shared.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class GatewayConfig:
-    nats_url: str = "nats://127.0.0.1:4222"
-    host: str = "0.0.0.0"
-    port: int = 8000
-    model_dir: str | None = None  # None: the embedded default model
-    served_model_name: str | None = None  # None: the model directory's name
-    api_key: str | None = None
-    subject_prefix: str = "skiff"
-    gateway_id: str | None = None  # None: random, unique per process
-    max_model_len: int | None = None  # None: from the scheduler's heartbeat
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    drain_timeout: float = 30.0
-    model_wait_timeout: float = 0.0  # wait this long for the tokenizer files to appear
-    log_level: str = "info"
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_body_bytes < 1:
-            raise ValueError("max_body_bytes must be >= 1")
-        if self.drain_timeout < 0 or self.model_wait_timeout < 0:
-            raise ValueError("timeouts must be >= 0")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError("max_model_len must be >= 1")
-        if self.gateway_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", self.gateway_id):
-            raise ValueError(f"gateway id must be letters, digits, '_' or '-': {self.gateway_id!r}")
-        if not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*", self.subject_prefix):
-            raise ValueError(f"invalid NATS subject prefix: {self.subject_prefix!r}")
-
-    @property
-    def resolved_model_dir(self) -> Path:
-        return Path(self.model_dir) if self.model_dir else default_model_dir()
-
-    @property
-    def resolved_model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        return self.resolved_model_dir.name if self.model_dir else DEFAULT_MODEL_NAME
+def build_parser() -> ConfigParser:
+    parser = ConfigParser(prog="skiff gateway", description="skiff gateway (OpenAI-compatible API)")
+    parser.add_config(GatewayConfig)
+    return parser
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
-    """Flags, with `SKIFF_*` environment variables as defaults (argparse parses those too)."""
-    env = os.environ.get
-    d = GatewayConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m services.gateway.main",
-        description="skiff gateway (OpenAI-compatible HTTP API)",
-    )
-    p.add_argument("--nats-url", default=env("SKIFF_NATS_URL", d.nats_url))
-    p.add_argument("--host", default=env("SKIFF_HOST", d.host))
-    p.add_argument("--port", type=int, default=env("SKIFF_PORT", str(d.port)))
-    p.add_argument(
-        "--model-dir",
-        default=env("SKIFF_MODEL_DIR"),
-        help="model directory with tokenizer.json (default: the embedded model)",
-    )
-    p.add_argument("--served-model-name", default=env("SKIFF_SERVED_MODEL_NAME"))
-    p.add_argument("--api-key", default=env("SKIFF_API_KEY"))
-    p.add_argument("--subject-prefix", default=env("SKIFF_SUBJECT_PREFIX", d.subject_prefix))
-    p.add_argument("--gateway-id", default=env("SKIFF_GATEWAY_ID"))
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=env("SKIFF_MAX_MODEL_LEN"),
-        help="default: announced by the scheduler",
-    )
-    p.add_argument(
-        "--max-body-bytes", type=int, default=env("SKIFF_MAX_BODY_BYTES", str(d.max_body_bytes))
-    )
-    p.add_argument(
-        "--drain-timeout", type=float, default=env("SKIFF_DRAIN_TIMEOUT", str(d.drain_timeout))
-    )
-    p.add_argument(
-        "--model-wait-timeout",
-        type=float,
-        default=env("SKIFF_MODEL_WAIT_TIMEOUT", str(d.model_wait_timeout)),
-    )
-    p.add_argument("--log-level", default=env("SKIFF_LOG_LEVEL", d.log_level))
-    a = p.parse_args(argv)
-    try:
-        return GatewayConfig(
-            nats_url=a.nats_url,
-            host=a.host,
-            port=a.port,
-            model_dir=a.model_dir,
-            served_model_name=a.served_model_name,
-            api_key=a.api_key or None,
-            subject_prefix=a.subject_prefix,
-            gateway_id=a.gateway_id,
-            max_model_len=a.max_model_len,
-            max_body_bytes=a.max_body_bytes,
-            drain_timeout=a.drain_timeout,
-            model_wait_timeout=a.model_wait_timeout,
-            log_level=a.log_level,
-        )
-    except ValueError as e:
-        p.error(str(e))
+    """Flags, with `SKIFF_*` environment variables as defaults."""
+    config: GatewayConfig = build_parser().parse_configs(argv)[1][GatewayConfig]
+    return config
 
 
 class _DrainingServer(uvicorn.Server):

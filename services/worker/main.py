@@ -1,36 +1,47 @@
-"""`skiff worker`: load a model on one device and serve plans."""
+"""`skiff worker`: load a model on one device and serve plans (flags and SKIFF_* variables
+from its configs)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 
 from services.worker.model_runner import build_runner
 from services.worker.service import WorkerService
-from shared.cli_args import add_common, env_default, setup_logging, wait_for_signal
-from shared.config import WorkerServiceConfig
+from shared.cli_args import ConfigParser, setup_logging, wait_for_signal
+from shared.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_SEQS,
+    WorkerServiceConfig,
+)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="skiff worker", description=__doc__)
-    add_common(p)
+def build_parser() -> ConfigParser:
+    p = ConfigParser(prog="skiff worker", description=__doc__)
+    p.add_config(WorkerServiceConfig)
     p.add_argument(
         "--model",
-        default=env_default("model", None),
+        default=p.env("model"),
         help="HF-format model directory (default: the embedded SmolLM2)",
     )
-    p.add_argument("--served-model-name", default=env_default("served_model_name", ""))
-    p.add_argument("--worker-id", default=env_default("worker_id", "worker-0"))
-    p.add_argument("--device", default=env_default("device", "cpu"))
-    p.add_argument("--dtype", default=env_default("dtype", "float32"))
-    p.add_argument("--kv-cache-gib", type=float, default=env_default("kv_cache_gib", 1.0, float))
-    p.add_argument("--block-size", type=int, default=env_default("block_size", 16, int))
-    p.add_argument("--max-num-seqs", type=int, default=env_default("max_num_seqs", 256, int))
-    p.add_argument("--max-model-len", type=int, default=env_default("max_model_len", 8192, int))
-    return p.parse_args(argv)
+    p.add_argument("--device", default=p.env("device", "cpu"))
+    p.add_argument("--dtype", default=p.env("dtype", "float32"))
+    p.add_argument("--kv-cache-gib", type=float, default=p.env("kv_cache_gib", 1.0, float))
+    p.add_argument("--block-size", type=int, default=p.env("block_size", DEFAULT_BLOCK_SIZE, int))
+    p.add_argument(
+        "--max-num-seqs", type=int, default=p.env("max_num_seqs", DEFAULT_MAX_NUM_SEQS, int)
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=p.env("max_model_len", DEFAULT_MAX_MODEL_LEN, int)
+    )
+    return p
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(argv: list[str] | None = None) -> None:
+    args, configs = build_parser().parse_configs(argv)
+    config: WorkerServiceConfig = configs[WorkerServiceConfig]
+    setup_logging(config.log_level, "worker")
     model = args.model
     if model is None:
         from services.worker.gguf_convert import ensure_default_model
@@ -47,25 +58,17 @@ async def serve(args: argparse.Namespace) -> None:
     )
     from shared.default_model import DEFAULT_MODEL_NAME
 
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else model)
-    service = WorkerService(
-        WorkerServiceConfig(
-            nats_url=args.nats_url,
-            subject_prefix=args.subject_prefix,
-            worker_id=args.worker_id,
-            model_name=name,
-        ),
-        runner,
-    )
+    if not config.model_name:
+        name = DEFAULT_MODEL_NAME if args.model is None else model
+        config = dataclasses.replace(config, model_name=name)
+    service = WorkerService(config, runner)
     await service.start()
     await wait_for_signal()
     await service.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    setup_logging(args.log_level, "worker")
-    asyncio.run(serve(args))
+    asyncio.run(serve(argv))
 
 
 if __name__ == "__main__":

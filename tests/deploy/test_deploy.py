@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import copy
 import fnmatch
+import importlib
 import json
 import re
 import shutil
@@ -161,18 +162,10 @@ def test_every_value_is_used_by_a_template():
 # ---- SKIFF_* environment ----------------------------------------------------------------------
 
 
-def env_vars_read(paths) -> set[str]:
-    names = set()
-    for path in paths:
-        text = path.read_text()
-        names |= {f"SKIFF_{n.upper()}" for n in re.findall(r'env_default\(\s*"(\w+)"', text)}
-        names |= set(re.findall(r'"(SKIFF_[A-Z0-9_]+)"', text))
-    return names
-
-
 def env_vars_read_by(service: str) -> set[str]:
-    """SKIFF_* variables that `skiff <service>` reads: in the modules its imports reach."""
-    return env_vars_read(project_modules(f"services.{service}.main"))
+    """SKIFF_* variables that `skiff <service>` reads: its flags derive them from its configs."""
+    parser = importlib.import_module(f"services.{service}.main").build_parser()
+    return set(parser.env_vars)
 
 
 SERVICES = ("gateway", "scheduler", "worker")
