@@ -116,7 +116,7 @@ class ConfigParser(argparse.ArgumentParser):
     ) -> tuple[argparse.Namespace, dict[type, Any]]:
         """Parse; returns the namespace and one validated instance per added config class."""
         ns = self.parse_args(argv)
-        configs = {}
+        configs: dict[type, Any] = {}
         for cls in self._configs:
             try:
                 configs[cls] = config_from(cls, ns)

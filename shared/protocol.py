@@ -6,11 +6,14 @@ message from an incompatible peer instead of misreading it. No pickle anywhere.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
 
 from shared.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
+M = TypeVar("M", bound=msgspec.Struct)
 
 
 class NewRequestData(msgspec.Struct, kw_only=True):
@@ -92,7 +95,7 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decoder(cls: type[msgspec.Struct]) -> msgspec.msgpack.Decoder:
+def decoder(cls: type[M]) -> msgspec.msgpack.Decoder[M]:
     """A reusable typed decoder for one message class."""
     return msgspec.msgpack.Decoder(cls)
 

@@ -6,6 +6,7 @@ import functools
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -75,7 +76,9 @@ class Tokenizer:
             return None
         return {char: byte for byte, char in _bytes_to_unicode().items()}
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         env = ImmutableSandboxedEnvironment(
@@ -102,8 +105,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def _token_str(value: str | dict | None) -> str | None:
-    return value.get("content") if isinstance(value, dict) else value
+def _token_str(value: str | dict[str, Any] | None) -> str | None:
+    if isinstance(value, dict):
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return value
 
 
 def _raise(message: str) -> None:
