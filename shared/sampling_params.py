@@ -16,6 +16,7 @@ from typing import NoReturn
 import msgspec
 
 GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
+DEFAULT_MAX_TOKENS = 16  # vLLM's default, and OpenAI's for /v1/completions
 MAX_LOGPROBS = 20
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_TEMPERATURE = 2.0
@@ -37,7 +38,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     min_tokens: int = 0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False

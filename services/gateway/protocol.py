@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from shared.sampling_params import DEFAULT_MAX_TOKENS
+
 MAX_N = 128
 MAX_STOP = 64
 
@@ -68,7 +70,7 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     echo: bool = False
     logprobs: int | None = None
     suffix: Text | None = None
