@@ -187,3 +187,32 @@ async def test_nats_engine_client_moves_requests_after_reconnect(nats_server):
     finally:
         await client.close()
         await nc.close()
+
+
+@pytest.mark.anyio
+async def test_nats_engine_client_reassembles_split_output_batches(nats_url):
+    import nats
+
+    from shared import bus
+
+    subjects = Subjects("t4")
+    nc = await nats.connect(nats_url)
+    scheduler = ScriptedScheduler(nc, subjects, "e")
+    await scheduler.start()
+    client = NatsEngineClient(nats_url, subject_prefix="t4", gateway_id="gw4")
+    await client.start()
+    try:
+        await _until(lambda: client.connected)
+        await scheduler.heartbeat()
+        assert await client.wait_ready(5)
+        request = SubmitRequest(
+            req_id="r", gateway_id="", prompt_token_ids=[1], sampling_params=SamplingParams()
+        )
+        stream = await client.submit(request)
+        tokens = list(range(100_000, 500_000))  # about 2 MiB: split over the 1 MiB limit
+        delta = TokenDelta(req_id="r", new_token_ids=tokens, finish_reason="length")
+        await bus.publish(nc, subjects.output("gw4"), OutputBatch(deltas=[delta]))
+        assert (await asyncio.wait_for(anext(stream), 5)).new_token_ids == tokens
+    finally:
+        await client.close()
+        await nc.close()
