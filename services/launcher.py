@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class StackConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     nats_url: str | None = None  # None: start our own nats-server
+    nats_max_payload: int | None = None  # bytes per message of our own nats-server (1 MiB)
     num_workers: int = 1
     kv_cache_gib: float = 1.0
     max_num_batched_tokens: int = 2048
@@ -83,7 +85,12 @@ class Stack:
 
     def start_nats(self) -> None:
         port = self.nats_url.rsplit(":", 1)[1]
-        self._spawn("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", port])
+        argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", port]
+        if self.config.nats_max_payload is not None:  # not a command-line flag of nats-server
+            conf = Path(tempfile.mkdtemp(prefix="skiff-nats-")) / "nats.conf"
+            conf.write_text(f"max_payload: {self.config.nats_max_payload}\n")
+            argv += ["-c", str(conf)]
+        self._spawn("nats", argv)
         self._wait_port("127.0.0.1", int(port), "nats", 10)
 
     def start_scheduler(self) -> None:
