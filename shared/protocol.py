@@ -168,6 +168,40 @@ class SchedulerHeartbeat(msgspec.Struct, kw_only=True):
     version: int = PROTOCOL_VERSION
 
 
+# ---- operators and tests <-> scheduler ----------------------------------------------------
+
+
+class SchedulerStatsRequest(msgspec.Struct, kw_only=True):
+    """Asks the scheduler for a `SchedulerStats` snapshot (request-reply)."""
+
+    version: int = PROTOCOL_VERSION
+
+
+class WorkerStats(msgspec.Struct, kw_only=True):
+    """One worker's load and KV blocks as its scheduling core sees them; the counters are
+    cumulative. `statuses` maps each unfinished request to its status."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which found cached
+    statuses: dict[str, str] = {}
+
+
+class SchedulerStats(msgspec.Struct, kw_only=True):
+    """The scheduler's state for tests and operators: requests it holds (placed or waiting
+    for a worker) and each worker's stats."""
+
+    epoch: str
+    num_requests: int
+    workers: dict[str, WorkerStats] = {}
+    version: int = PROTOCOL_VERSION
+
+
 # ---- worker <-> scheduler -----------------------------------------------------------------
 
 

@@ -28,7 +28,6 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, KVBlock] = {}
-        self.num_evictions = 0
 
     @property
     def num_blocks(self) -> int:
@@ -54,7 +53,7 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[KVBlock]:
         if num_blocks > len(self.free_queue):
             raise ValueError(f"need {num_blocks} blocks, {len(self.free_queue)} free")
-        out = []
+        out: list[KVBlock] = []
         for _ in range(num_blocks):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
@@ -78,14 +77,9 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached.setdefault(block_hash, block)
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            self._evict(block)
-
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-            self.num_evictions += 1
         block.block_hash = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 
 import msgspec
 
@@ -12,19 +13,22 @@ from services.scheduler.request import Request
 _ROOT_HASH = b"skiff-prefix-root"
 
 
-def hash_block(parent_hash: bytes, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
+def hash_block(
+    parent_hash: bytes, token_ids: list[int], extra_keys: tuple[object, ...] = ()
+) -> bytes:
     """Chained hash of one full block: (parent hash, its tokens, extra keys)."""
     payload = msgspec.msgpack.encode((parent_hash, token_ids, extra_keys))
     return hashlib.sha256(payload).digest()
 
 
-def chain_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
-    """Chained hashes of every full block of `token_ids`."""
-    hashes: list[bytes] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hashes[-1] if hashes else _ROOT_HASH
-        hashes.append(hash_block(parent, token_ids[start : start + block_size]))
-    return hashes
+def iter_block_hashes(
+    token_ids: list[int], block_size: int, start_block: int = 0, parent_hash: bytes = _ROOT_HASH
+) -> Iterator[bytes]:
+    """Chained hashes of the full blocks of `token_ids` from block `start_block` on, whose
+    predecessor hashed to `parent_hash`; lazily, so a lookup can stop at its first miss."""
+    for start in range(start_block * block_size, len(token_ids) - block_size + 1, block_size):
+        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size])
+        yield parent_hash
 
 
 class KVCacheManager:
@@ -39,22 +43,39 @@ class KVCacheManager:
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached
 
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """KV cache usage: the fraction of blocks held by requests (vLLM's kv_cache_usage)."""
+        return self.pool.usage()
+
     def block_hashes(self, request: Request) -> list[bytes]:
         """Hashes of the request's full blocks, extended incrementally as tokens arrive."""
         hashes = self.req_block_hashes.setdefault(request.req_id, [])
-        bs = self.block_size
-        while (len(hashes) + 1) * bs <= request.num_tokens:
-            start = len(hashes) * bs
-            parent = hashes[-1] if hashes else _ROOT_HASH
-            hashes.append(hash_block(parent, request.all_token_ids[start : start + bs]))
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        hashes.extend(
+            iter_block_hashes(request.all_token_ids, self.block_size, len(hashes), parent)
+        )
         return hashes
 
-    def num_cached_blocks_of(self, block_hashes: list[bytes]) -> int:
-        """Length of the cached run at the start of `block_hashes` (no side effects)."""
-        for i, block_hash in enumerate(block_hashes):
+    def num_cached_prefix_blocks(self, token_ids: list[int]) -> int:
+        """Leading full blocks of `token_ids`, in this manager's block size, found in the
+        prefix cache (no side effects)."""
+        if not self.pool.enable_caching:
+            return 0
+        num_hits = 0
+        for block_hash in iter_block_hashes(token_ids, self.block_size):
             if self.pool.get_cached_block(block_hash) is None:
-                return i
-        return len(block_hashes)
+                break
+            num_hits += 1
+        return num_hits
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request, never covering its last token."""

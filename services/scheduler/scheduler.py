@@ -20,6 +20,7 @@ from shared.protocol import (
     ModelRunnerOutput,
     NewRequestData,
     TokenLogprobs,
+    WorkerStats,
 )
 
 
@@ -65,7 +66,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort(self, req_ids: list[str]) -> list[Request]:
-        aborted = []
+        aborted: list[Request] = []
         for req_id in req_ids:
             request = self.requests.get(req_id)
             if request is not None:
@@ -75,6 +76,34 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ---- queries -----------------------------------------------------------------------
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.kv.num_blocks - self.kv.num_free_blocks
+
+    def num_uncached_blocks(self, token_ids: list[int]) -> int:
+        """Full blocks of `token_ids`, in this worker's block size, its prefix cache lacks."""
+        num_full = len(token_ids) // self.kv.block_size
+        return num_full - self.kv.num_cached_prefix_blocks(token_ids)
+
+    def make_stats(self) -> WorkerStats:
+        """A snapshot of this worker's load, blocks and cumulative counters."""
+        return WorkerStats(
+            num_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+        )
+
+    def request_statuses(self) -> dict[str, str]:
+        """Status of every unfinished request (finished ones are dropped at once)."""
+        return {req_id: r.status.value for req_id, r in self.requests.items()}
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -197,7 +226,7 @@ class Scheduler:
 
     def update(self, output: ModelRunnerOutput) -> list[RequestOutput]:
         """Append sampled tokens, run stop checks, free finished requests."""
-        outputs = []
+        outputs: list[RequestOutput] = []
         for i, req_id in enumerate(output.req_ids):
             request = self.requests.get(req_id)
             token_ids = output.sampled_token_ids[i]
@@ -206,7 +235,7 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             if not token_ids and prompt_logprobs is None:
                 continue
-            new_token_ids = []
+            new_token_ids: list[int] = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)

@@ -1,17 +1,17 @@
 """The workers a scheduler drives: one scheduling core (block pool included) per worker, and
-placement of new requests on the worker where they cost least."""
+the choice of the worker where a new request costs least."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from services.scheduler.kv_cache_manager import chain_hashes
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from shared.config import SchedulerConfig
-from shared.protocol import WorkerHello
+from shared.protocol import WorkerHello, WorkerStats
 
 
 @dataclass
@@ -41,12 +41,11 @@ class WorkerPool:
         if old is not None and old.hello.instance_id == hello.instance_id and not fresh:
             old.last_seen = time.monotonic()
             return old, None
-        config = SchedulerConfig(
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_num_seqs=self.config.max_num_seqs,
+        config = dataclasses.replace(
+            self.config,
+            max_num_seqs=min(self.config.max_num_seqs, hello.max_num_seqs),
             max_model_len=min(self.config.max_model_len, hello.max_model_len),
             block_size=hello.block_size,
-            enable_prefix_caching=self.config.enable_prefix_caching,
         )
         core = Scheduler(config, hello.num_blocks, tuple(hello.eos_token_ids))
         if old is not None:  # step ids keep rising, so a late result of the old core is ignored
@@ -62,20 +61,39 @@ class WorkerPool:
         now = time.monotonic()
         return [w for w in self.workers.values() if now - w.last_seen > timeout_s]
 
+    # ---- queries over all workers --------------------------------------------------------
+
+    @property
+    def model(self) -> str:
+        return next((w.hello.model for w in self.workers.values()), "")
+
     @property
     def max_model_len(self) -> int:
         return min((w.core.max_model_len for w in self.workers.values()), default=0)
 
-    def place(self, request: Request) -> WorkerHandle:
-        """Lowest cost = prompt blocks not cached there + blocks in use there."""
+    @property
+    def vocab_size(self) -> int:
+        return min((w.hello.vocab_size for w in self.workers.values()), default=0)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(w.core.waiting) for w in self.workers.values())
+
+    def make_stats(self) -> dict[str, WorkerStats]:
+        return {wid: w.core.make_stats() for wid, w in self.workers.items()}
+
+    # ---- placement -----------------------------------------------------------------------
+
+    def select(self, request: Request) -> WorkerHandle:
+        """The worker where `request` costs least: the full blocks of its tokens not cached
+        there plus the blocks in use there, each counted in that worker's own block size;
+        ties go to the worker running fewer requests."""
         if not self.workers:
             raise LookupError("no worker is ready")
-        block_size = next(iter(self.workers.values())).core.config.block_size
-        hashes = chain_hashes(request.all_token_ids, block_size)
+        token_ids = request.all_token_ids
 
         def cost(w: WorkerHandle) -> tuple[int, int]:
-            pool = w.core.kv.pool
-            uncached = len(hashes) - w.core.kv.num_cached_blocks_of(hashes)
-            return uncached + (pool.num_blocks - pool.num_free_blocks), len(w.core.running)
+            core = w.core
+            return core.num_uncached_blocks(token_ids) + core.num_used_blocks, len(core.running)
 
         return min(self.workers.values(), key=cost)

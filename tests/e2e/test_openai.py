@@ -8,12 +8,14 @@ import json
 import time
 
 import httpx
+import msgspec
 import pytest
 from openai import OpenAI
 
 from bench.workload import QUESTIONS, token_prompts
 from services.offline import SamplingParams
 from shared import bus
+from shared.protocol import SchedulerStats, SchedulerStatsRequest
 from shared.subjects import Subjects
 from shared.tokenizer import Tokenizer
 
@@ -24,7 +26,10 @@ def scheduler_stats(stack) -> dict:
     async def ask():
         nc = await bus.connect(stack.nats_url, "test-stats")
         try:
-            return json.loads((await nc.request(Subjects().scheduler_stats, b"", timeout=5)).data)
+            stats = await bus.request(
+                nc, Subjects().scheduler_stats, SchedulerStatsRequest(), SchedulerStats, 5
+            )
+            return msgspec.to_builtins(stats)
         finally:
             await nc.drain()
 

@@ -4,8 +4,8 @@ a worker that dies loses its KV cache, not its requests."""
 from __future__ import annotations
 
 import asyncio
-import json
 
+import msgspec
 import pytest
 
 from bench.workload import token_prompts
@@ -14,6 +14,8 @@ from shared import bus
 from shared.protocol import (
     OutputBatch,
     SamplingParams,
+    SchedulerStats,
+    SchedulerStatsRequest,
     SubmitReply,
     SubmitRequest,
     decoder,
@@ -46,7 +48,10 @@ def two_worker_stack(smollm2_dir, tmp_path_factory):
 
 
 async def _stats(nc) -> dict:
-    return json.loads((await nc.request(Subjects().scheduler_stats, b"", timeout=5)).data)
+    stats = await bus.request(
+        nc, Subjects().scheduler_stats, SchedulerStatsRequest(), SchedulerStats, 5
+    )
+    return msgspec.to_builtins(stats)
 
 
 async def _wait_workers(nc, n: int) -> None:

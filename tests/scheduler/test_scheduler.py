@@ -98,7 +98,7 @@ def test_stop_conditions():
         "len": FinishReason.LENGTH,
         "ign": FinishReason.LENGTH,
     }
-    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+    assert s.kv.num_free_blocks == s.kv.num_blocks
 
 
 def test_min_tokens_defers_eos():
@@ -120,7 +120,7 @@ def test_preemption_latest_admitted_first():
     for i, name in enumerate(("first", "second", "third")):
         s.add_request(req(name, 32, max_tokens=20, start=1000 * i))
     plan = s.schedule()
-    assert len(plan.new_reqs) == 3 and s.kv.pool.num_free_blocks == 0
+    assert len(plan.new_reqs) == 3 and s.kv.num_free_blocks == 0
     respond(plan, s)
     plan = s.schedule()  # "first" needs a third block: "third" (latest) is preempted
     assert plan.preempted_req_ids == ["third"]
@@ -194,10 +194,10 @@ def test_abort_frees_blocks():
     s.add_request(req("a", 40))
     s.add_request(req("w", 40))
     s.schedule()
-    assert s.kv.pool.num_free_blocks < s.kv.pool.num_blocks
+    assert s.kv.num_free_blocks < s.kv.num_blocks
     aborted = s.abort(["a", "w", "missing"])
     assert [r.req_id for r in aborted] == ["a", "w"]
-    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+    assert s.kv.num_free_blocks == s.kv.num_blocks
     assert not s.has_unfinished()
     assert s.schedule().finished_req_ids == ["a", "w"]
 
@@ -253,4 +253,4 @@ def test_property_refcounts_and_free_list_stay_consistent(reqs, num_blocks, budg
             s.abort([f"r{i}" for i, r in enumerate(reqs) if r[3]])
             check_invariants(s)
     assert not s.has_unfinished()
-    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+    assert s.kv.num_free_blocks == s.kv.num_blocks

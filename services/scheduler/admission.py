@@ -1,0 +1,49 @@
+"""Whether a submission is accepted: not while draining or without workers, not beyond the
+queue limit, not twice, and only within the rules of `shared.sampling_params`."""
+
+from __future__ import annotations
+
+from services.scheduler.placement import Placement
+from services.scheduler.worker_pool import WorkerPool
+from shared.protocol import SubmitReply, SubmitRequest
+from shared.sampling_params import (
+    SamplingParamsError,
+    check_prompt_fits,
+    validate_sampling_params,
+)
+
+
+class Admission:
+    """Answers each `SubmitRequest` with the reply the gateway gets; `draining` refuses all."""
+
+    def __init__(self, pool: WorkerPool, placement: Placement, max_waiting: int) -> None:
+        self.pool = pool
+        self.placement = placement
+        self.max_waiting = max_waiting
+        self.draining = False
+
+    def check(self, sub: SubmitRequest) -> SubmitReply:
+        if self.draining:
+            return _reject(503, "scheduler is shutting down")
+        if not self.pool.workers:
+            return _reject(503, "no worker is ready")
+        if self.pool.num_waiting >= self.max_waiting:
+            return _reject(429, "the request queue is full")
+        if sub.req_id in self.placement:
+            return _reject(400, "duplicate request id")
+        try:
+            validate_sampling_params(sub.sampling_params, self.pool.vocab_size)
+        except SamplingParamsError as exc:
+            return _reject(400, f"{exc.param}: {exc.message}")
+        try:
+            # tokens already streamed (a continuation) are context too
+            num_tokens = len(sub.prompt_token_ids) + len(sub.output_token_ids)
+            check_prompt_fits(num_tokens, self.pool.max_model_len)
+            check_prompt_fits(len(sub.prompt_token_ids), self.pool.max_model_len)  # not empty
+        except SamplingParamsError as exc:
+            return _reject(400, exc.message)
+        return SubmitReply(accepted=True)
+
+
+def _reject(status: int, message: str) -> SubmitReply:
+    return SubmitReply(accepted=False, status=status, message=message)

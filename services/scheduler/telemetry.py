@@ -1,0 +1,67 @@
+"""What the scheduler reports: its heartbeat, the stats snapshot for tests and operators, and
+the Prometheus gauges and counters, all read from the workers' stats snapshots."""
+
+from __future__ import annotations
+
+import msgspec
+from prometheus_client import Counter
+
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.placement import Placement
+from services.scheduler.worker_pool import WorkerPool
+from shared.protocol import SchedulerHeartbeat, SchedulerStats, WorkerStats
+
+
+class Telemetry:
+    def __init__(
+        self, epoch: str, pool: WorkerPool, placement: Placement, metrics: SchedulerMetrics
+    ) -> None:
+        self.epoch = epoch
+        self.pool = pool
+        self.placement = placement
+        self.metrics = metrics
+        self._counted: dict[Counter, int] = {}  # totals already added to each counter
+
+    def heartbeat(self, draining: bool) -> SchedulerHeartbeat:
+        """A draining scheduler reports no ready worker, so gateways stop sending to it."""
+        stats = list(self.pool.make_stats().values())
+        return SchedulerHeartbeat(
+            epoch=self.epoch,
+            num_ready_workers=0 if draining else len(stats),
+            model=self.pool.model,
+            max_model_len=self.pool.max_model_len,
+            num_running=sum(s.num_running for s in stats),
+            num_waiting=self._num_waiting(stats),
+            kv_cache_usage=max((s.kv_cache_usage for s in stats), default=0.0),
+        )
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            epoch=self.epoch,
+            num_requests=self.placement.num_requests,
+            workers={
+                wid: msgspec.structs.replace(
+                    w.core.make_stats(), statuses=w.core.request_statuses()
+                )
+                for wid, w in self.pool.workers.items()
+            },
+        )
+
+    def refresh_gauges(self) -> None:
+        m, stats = self.metrics, list(self.pool.make_stats().values())
+        m.running.set(sum(s.num_running for s in stats))
+        m.waiting.set(self._num_waiting(stats))
+        m.kv_usage.set(max((s.kv_cache_usage for s in stats), default=0.0))
+        m.workers_ready.set(len(stats))
+        totals = {
+            m.prefix_queries: sum(s.prefix_cache_queries for s in stats),
+            m.prefix_hits: sum(s.prefix_cache_hits for s in stats),
+            m.preemptions: sum(s.num_preemptions for s in stats),
+        }
+        for counter, total in totals.items():  # counters follow totals kept by the cores
+            counted = self._counted.get(counter, 0)
+            counter.inc(max(total - counted, 0))
+            self._counted[counter] = max(total, counted)
+
+    def _num_waiting(self, stats: list[WorkerStats]) -> int:
+        return sum(s.num_waiting for s in stats) + len(self.placement.unplaced)

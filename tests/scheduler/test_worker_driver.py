@@ -1,0 +1,97 @@
+"""One worker's step loop against a fake publisher: plans out, results in, stalls reset."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.request import FinishReason, Request
+from services.scheduler.scheduler import RequestOutput
+from services.scheduler.worker_driver import WorkerDriver
+from services.scheduler.worker_pool import WorkerHandle, WorkerPool
+from shared.config import SchedulerConfig
+from shared.protocol import BatchPlan, ModelRunnerOutput
+from shared.sampling_params import SamplingParams
+from tests.scheduler.fakes import FakePublisher, make_hello
+
+
+class Harness:
+    def __init__(self, step_timeout_s: float = 30.0) -> None:
+        self.worker, _ = WorkerPool(SchedulerConfig()).register(make_hello())
+        self.publisher = FakePublisher()
+        self.outputs: list[RequestOutput] = []
+        self.stalled: list[WorkerHandle] = []
+        self.driver = WorkerDriver(
+            self.worker,
+            publish=self.publisher,
+            plan_subject="plan",
+            epoch="e",
+            step_timeout_s=step_timeout_s,
+            metrics=SchedulerMetrics("m"),
+            on_outputs=self.on_outputs,
+            on_stall=self.stalled.append,
+        )
+
+    async def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.outputs.extend(outputs)
+
+    def add(self, req_id: str, max_tokens: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.worker.core.add_request(Request(req_id, [5, 6, 7], params))
+        self.driver.wake()
+
+    async def next_plan(self, count: int) -> BatchPlan:
+        while len(self.publisher.sent) < count:
+            await asyncio.sleep(0.001)
+        subject, plan = self.publisher.sent[count - 1]
+        assert subject == "plan" and isinstance(plan, BatchPlan)
+        return plan
+
+
+def result(plan: BatchPlan, token: int = 9) -> ModelRunnerOutput:
+    req_ids = list(plan.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        step_id=plan.step_id, worker_id="w0", req_ids=req_ids, sampled_token_ids=[[token]]
+    )
+
+
+def test_plans_until_the_request_finishes_then_idles():
+    async def run() -> Harness:
+        h = Harness()
+        h.driver.start()
+        await asyncio.sleep(0.01)
+        assert h.publisher.sent == []  # idle: nothing to schedule
+        h.add("a", max_tokens=2)
+        first = await h.next_plan(1)
+        assert first.worker_session == f"e:{h.worker.session}"
+        h.driver.on_result(result(first, token=3))
+        second = await h.next_plan(2)
+        h.driver.on_result(result(first))  # a stale step id: ignored
+        h.driver.on_result(result(second, token=4))
+        third = await h.next_plan(3)  # tells the worker that "a" finished
+        await asyncio.sleep(0.01)
+        h.driver.stop()
+        assert third.finished_req_ids == ["a"] and not third.num_scheduled_tokens
+        return h
+
+    h = asyncio.run(run())
+    assert [(o.new_token_ids, o.finish_reason) for o in h.outputs] == [
+        ([3], None),
+        ([4], FinishReason.LENGTH),
+    ]
+    assert len(h.publisher.sent) == 3 and h.stalled == []
+
+
+def test_a_lost_result_stalls_the_worker_once():
+    async def run() -> Harness:
+        h = Harness(step_timeout_s=0.05)
+        h.driver.start()
+        h.add("a", max_tokens=4)
+        plan = await h.next_plan(1)
+        await asyncio.sleep(0.2)
+        h.driver.on_result(result(plan))  # too late: ignored
+        h.driver.stop()
+        return h
+
+    h = asyncio.run(run())
+    assert h.stalled == [h.worker] and h.outputs == [] and len(h.publisher.sent) == 1
