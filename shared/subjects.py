@@ -40,5 +40,5 @@ class Subjects:
         return f"{self.prefix}.scheduler.heartbeat"
 
     @property
-    def scheduler_stats(self) -> str:  # request-reply: JSON stats for tests and operators
+    def scheduler_stats(self) -> str:  # request-reply: SchedulerStatsRequest/SchedulerStats
         return f"{self.prefix}.scheduler.stats"

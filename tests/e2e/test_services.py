@@ -18,8 +18,6 @@ from shared.protocol import (
     SchedulerStatsRequest,
     SubmitReply,
     SubmitRequest,
-    decoder,
-    encode,
 )
 from shared.subjects import Subjects
 from shared.tokenizer import Tokenizer
@@ -81,29 +79,21 @@ def test_worker_death_migrates_requests(two_worker_stack, smollm2_dir):
         finished: dict[str, str] = {}
         all_done = asyncio.Event()
 
-        async def on_output(payload, _msg):
-            for d in decoder(OutputBatch).decode(payload).deltas:
+        async def on_output(batch: OutputBatch) -> None:
+            for d in batch.deltas:
                 tokens[d.req_id].extend(d.new_token_ids)
                 if d.finish_reason:
                     finished[d.req_id] = d.finish_reason
             if len(finished) == len(prompts):
                 all_done.set()
 
-        await bus.subscribe(nc, Subjects().output("gw-test"), on_output)
+        await bus.subscribe(nc, Subjects().output("gw-test"), OutputBatch, on_output)
         for i, p in enumerate(prompts):
-            reply = await nc.request(
-                Subjects().submit,
-                encode(
-                    SubmitRequest(
-                        req_id=f"r{i}",
-                        gateway_id="gw-test",
-                        prompt_token_ids=p,
-                        sampling_params=params,
-                    )
-                ),
-                timeout=5,
+            submit = SubmitRequest(
+                req_id=f"r{i}", gateway_id="gw-test", prompt_token_ids=p, sampling_params=params
             )
-            assert decoder(SubmitReply).decode(reply.data).accepted
+            reply = await bus.request(nc, Subjects().submit, submit, SubmitReply, 5)
+            assert reply.accepted
         while min(len(t) for t in tokens.values()) < 5:
             await asyncio.sleep(0.05)
         before = await _stats(nc)
