@@ -80,18 +80,20 @@ async def connect(
     )
 
 
-async def publish(nc: Client, subject: str, msg: msgspec.Struct) -> None:
-    """Encode and publish, in parts when the payload exceeds the server's limit."""
+async def publish(nc: Client, subject: str, msg: msgspec.Struct) -> int:
+    """Encode and publish, in parts when the payload exceeds the server's limit; returns the
+    encoded size in bytes."""
     payload = encode(msg)
     limit = max(nc.max_payload - HEADER_ROOM, 1024)
     if len(payload) <= limit:
         await nc.publish(subject, payload)
-        return
+        return len(payload)
     msg_id = uuid.uuid4().hex
     num_parts = -(-len(payload) // limit)
     for i in range(num_parts):
         headers = {_MSG_ID: msg_id, _PART: f"{i}/{num_parts}"}
         await nc.publish(subject, payload[i * limit : (i + 1) * limit], headers=headers)
+    return len(payload)
 
 
 async def subscribe(

@@ -177,8 +177,8 @@ class SchedulerService:
 
     # ---- plumbing ----------------------------------------------------------------------
 
-    async def _publish(self, subject: str, msg: msgspec.Struct) -> None:
-        await bus.publish(self.nc, subject, msg)
+    async def _publish(self, subject: str, msg: msgspec.Struct) -> int:
+        return await bus.publish(self.nc, subject, msg)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` as a task that `stop()` cancels."""

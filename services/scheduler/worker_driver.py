@@ -14,11 +14,11 @@ import msgspec
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import RequestOutput
 from services.scheduler.worker_pool import WorkerHandle
-from shared.protocol import BatchPlan, ModelRunnerOutput, encode
+from shared.protocol import BatchPlan, ModelRunnerOutput
 
 log = logging.getLogger("skiff.scheduler")
 
-Publish = Callable[[str, msgspec.Struct], Awaitable[None]]
+Publish = Callable[[str, msgspec.Struct], Awaitable[int]]  # returns the encoded size
 
 
 class WorkerDriver:
@@ -91,9 +91,8 @@ class WorkerDriver:
                 self._metrics.queue_time.observe(now - core.requests[new.req_id].arrival_time)
             future = asyncio.get_running_loop().create_future()
             self._pending = (plan.step_id, future)
-            self._metrics.plan_bytes.observe(len(encode(plan)))
             t_sched = time.perf_counter() - t0
-            await self._publish(self._plan_subject, plan)
+            self._metrics.plan_bytes.observe(await self._publish(self._plan_subject, plan))
             t1 = time.perf_counter()
             try:
                 output = await asyncio.wait_for(future, self._step_timeout_s)

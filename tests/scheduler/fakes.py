@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.protocol import WorkerHello
+from shared.protocol import WorkerHello, encode
 
 
 def make_hello(
@@ -37,5 +37,6 @@ class FakePublisher:
     def __init__(self) -> None:
         self.sent: list[tuple[str, msgspec.Struct]] = []
 
-    async def __call__(self, subject: str, msg: msgspec.Struct) -> None:
+    async def __call__(self, subject: str, msg: msgspec.Struct) -> int:
         self.sent.append((subject, msg))
+        return len(encode(msg))
