@@ -28,8 +28,9 @@ sys.path.insert(0, str(ROOT))
 from bench.workload import token_prompts  # noqa: E402
 from services.offline import LLM, SamplingParams  # noqa: E402
 from services.worker.input_batch import CachedRequestState, InputBatch  # noqa: E402
-from services.worker.sampler import Sampler, build_sampling_metadata  # noqa: E402
+from services.worker.sampler import Sampler  # noqa: E402
 from services.worker.sampler.random import position_uniforms  # noqa: E402
+from services.worker.sampling_metadata import build_sampling_metadata  # noqa: E402
 
 BATCHES = (1, 32, 256)
 DECODE_BATCH = 256

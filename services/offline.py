@@ -9,17 +9,16 @@ print(out[0].outputs[0].text)
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-
-import msgspec
+from typing import Any
 
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput, Scheduler
-from services.worker.model_runner import build_runner
+from services.worker.model_runner import RunnerConfig, build_runner
 from shared.config import SchedulerConfig
 from shared.protocol import BatchPlan, ModelRunnerOutput, TokenLogprobs, decoder, encode
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, check_prompt_fits, validate_sampling_params
 from shared.tokenizer import Tokenizer
 
 __all__ = ["LLM", "CompletionOutput", "GenerationOutput", "SamplingParams"]
@@ -46,47 +45,39 @@ class GenerationOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
+# LLM keywords: RunnerConfig's fields, and SchedulerConfig's that the runner does not set
+# (block_size, max_num_seqs and max_model_len come from the runner).
+_RUNNER_KEYS = frozenset(f.name for f in fields(RunnerConfig)) - {"model_dir"}
+_SCHEDULER_KEYS = frozenset(f.name for f in fields(SchedulerConfig)) - _RUNNER_KEYS
+
+
 class LLM:
+    """`model`: an HF-format directory (None: the embedded SmolLM2). Keywords such as
+    `num_blocks=64` or `max_num_batched_tokens=128` are fields of RunnerConfig and
+    SchedulerConfig, with their defaults; `serialize_messages` sends every message through
+    the wire codec."""
+
     def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        max_model_len: int = 2048,
-        block_size: int = 16,
-        kv_cache_gib: float = 1.0,
-        num_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        device: str = "cpu",
-        dtype: str = "float32",
-        serialize_messages: bool = False,
+        self, model: str | Path | None = None, *, serialize_messages: bool = False, **config: Any
     ) -> None:
+        unknown = config.keys() - _RUNNER_KEYS - _SCHEDULER_KEYS
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
         if model is None:
             from services.worker.gguf_convert import ensure_default_model
 
             model = ensure_default_model()
-        self.runner = build_runner(
-            str(model),
-            kv_cache_gib=kv_cache_gib,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            device=device,
-            dtype=dtype,
-        )
-        mc = self.runner.model_config
-        num_blocks = self.runner.config.num_blocks
+        runner_config = {k: v for k, v in config.items() if k in _RUNNER_KEYS}
+        self.runner = build_runner(RunnerConfig(model_dir=str(model), **runner_config))
+        rc, mc = self.runner.config, self.runner.model_config
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
+                max_num_seqs=rc.max_num_seqs,
                 max_model_len=self.runner.max_model_len,
-                block_size=block_size,
-                enable_prefix_caching=enable_prefix_caching,
+                block_size=rc.block_size,
+                **{k: v for k, v in config.items() if k in _SCHEDULER_KEYS},
             ),
-            num_blocks,
+            self.runner.num_blocks,
             eos_token_ids=mc.eos_token_ids,
         )
         self.tokenizer = Tokenizer(model)
@@ -100,26 +91,26 @@ class LLM:
         prompts: str | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
-        """Run all prompts to completion together; outputs come back in prompt order."""
+        """Run all prompts to completion together; outputs come back in prompt order.
+
+        An invalid parameter or a prompt that does not fit the context raises
+        `SamplingParamsError` (a ValueError) before anything is scheduled.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        checked = [self._check(prompt, p) for prompt, p in zip(prompts, params_list, strict=True)]
         results: dict[str, GenerationOutput] = {}
         children: dict[str, tuple[str, int]] = {}
-        for prompt, p in zip(prompts, params_list, strict=True):
-            text = prompt if isinstance(prompt, str) else None
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        for (text, token_ids), p in zip(checked, params_list, strict=True):
             parent = f"gen-{next(self._ids)}"
             results[parent] = GenerationOutput(parent, text, token_ids, [])
             for i in range(p.n):
-                child_params = (
-                    p if p.seed is None or i == 0 else msgspec.structs.replace(p, seed=p.seed + i)
-                )
                 child = f"{parent}-{i}"
                 children[child] = (parent, i)
                 results[parent].outputs.append(CompletionOutput(i, "", []))
-                self.scheduler.add_request(Request(child, token_ids, child_params))
+                self.scheduler.add_request(Request(child, token_ids, p.for_choice(i)))
         for out in self._run():
             parent, i = children[out.req_id]
             self._accumulate(results[parent], i, out)
@@ -128,6 +119,16 @@ class LLM:
             for completion in gen.outputs:
                 completion.text = self.tokenizer.decode(completion.token_ids)
         return list(results.values())
+
+    def _check(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt whose parameters are valid and that fits the context."""
+        validate_sampling_params(params, self.runner.model_config.vocab_size)
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        check_prompt_fits(len(token_ids), self.runner.max_model_len)
+        return text, token_ids
 
     def _run(self):
         while self.scheduler.has_unfinished():

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.worker.sampler.tables import BadWordsTable, TokenMaskTable, TokenTable
-from shared.sampling_params import GREEDY_EPS, LOGPROBS_MODES, SamplingParams
+from services.worker.sampling_columns import SamplingColumns
+from shared.sampling_params import SamplingParams
 
 
 @dataclass
@@ -46,27 +46,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
-        self._init_sampling(max_num_reqs)
-
-    def _init_sampling(self, rows: int) -> None:
-        """Sampling parameters per row, gathered by row each step (see sampler.builder)."""
-        self.temperature = np.ones(rows, dtype=np.float32)  # below 1e-5 = greedy
-        self.top_p = np.ones(rows, dtype=np.float32)  # 1 = off
-        self.top_k = np.zeros(rows, dtype=np.int64)  # 0 = off
-        self.min_p = np.zeros(rows, dtype=np.float32)  # 0 = off
-        self.seed = np.zeros(rows, dtype=np.int64)
-        self.has_seed = np.zeros(rows, dtype=bool)
-        self.num_logprobs = np.full(rows, -1, dtype=np.int64)  # -1 = none requested
-        self.logprobs_mode = np.zeros(rows, dtype=np.int8)  # index into LOGPROBS_MODES
-        self.num_prompt_logprobs = np.full(rows, -1, dtype=np.int64)  # -1 = none requested
-        self.min_tokens = np.zeros(rows, dtype=np.int64)
-        self.repetition_penalty = np.ones(rows, dtype=np.float32)
-        self.frequency_penalty = np.zeros(rows, dtype=np.float32)
-        self.presence_penalty = np.zeros(rows, dtype=np.float32)
-        self.stop_token_ids = TokenTable(rows)  # banned while below min_tokens
-        self.allowed_token_ids = TokenMaskTable(rows)
-        self.logit_bias = TokenTable(rows, with_values=True)
-        self.bad_words = BadWordsTable(rows)
+        self.sampling = SamplingColumns.allocate(max_num_reqs)
 
     def add_request(self, state: CachedRequestState) -> int:
         """Append a row; call after `condense` so that rows stay dense."""
@@ -83,39 +63,13 @@ class InputBatch:
         self.num_computed_tokens[row] = state.num_computed_tokens
         self.num_blocks[row] = 0
         self.append_block_ids(row, state.block_ids)
-        self._set_sampling(row, state.sampling_params)
+        self.sampling.set(row, state.sampling_params)
         return row
-
-    def _set_sampling(self, row: int, params: SamplingParams) -> None:
-        """Greedy rows get the filters off (vLLM does the same), so they never cost a pass."""
-        greedy = params.temperature < GREEDY_EPS
-        self.temperature[row] = params.temperature
-        self.top_p[row] = 1.0 if greedy else params.top_p
-        self.top_k[row] = 0 if greedy else max(params.top_k, 0)
-        self.min_p[row] = 0.0 if greedy else params.min_p
-        self.has_seed[row] = params.seed is not None
-        self.seed[row] = _int64(params.seed or 0)
-        self.num_logprobs[row] = _or_minus_one(params.logprobs)
-        self.logprobs_mode[row] = LOGPROBS_MODES.index(params.logprobs_mode)
-        self.num_prompt_logprobs[row] = _or_minus_one(params.prompt_logprobs)
-        self.min_tokens[row] = params.min_tokens
-        self.repetition_penalty[row] = params.repetition_penalty
-        self.frequency_penalty[row] = params.frequency_penalty
-        self.presence_penalty[row] = params.presence_penalty
-        self.stop_token_ids.set(row, params.stop_token_ids)
-        self.allowed_token_ids.set(row, params.allowed_token_ids)
-        bias = params.logit_bias or {}
-        self.logit_bias.set(row, list(bias), list(bias.values()))
-        self.bad_words.set(row, params.bad_words_token_ids)
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
-
-    def append_token(self, row: int, token_id: int) -> None:
-        self.token_ids[row, self.num_tokens[row]] = token_id
-        self.num_tokens[row] += 1
 
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Append one token to each of `rows` ([r] each)."""
@@ -151,33 +105,4 @@ class InputBatch:
         nb = self.num_blocks[src]
         self.num_blocks[dst] = nb
         self.block_table[dst, :nb] = self.block_table[src, :nb]
-        self._move_sampling(src, dst)
-
-    def _move_sampling(self, src: int, dst: int) -> None:
-        for arr in (
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.min_p,
-            self.seed,
-            self.has_seed,
-            self.num_logprobs,
-            self.logprobs_mode,
-            self.num_prompt_logprobs,
-            self.min_tokens,
-            self.repetition_penalty,
-            self.frequency_penalty,
-            self.presence_penalty,
-        ):
-            arr[dst] = arr[src]
-        for table in (self.stop_token_ids, self.allowed_token_ids, self.logit_bias, self.bad_words):
-            table.move(src, dst)
-
-
-def _int64(x: int) -> int:
-    """Python int -> the int64 with the same low 64 bits (seeds are validated to fit)."""
-    return (x + 2**63) % 2**64 - 2**63
-
-
-def _or_minus_one(x: int | None) -> int:
-    return -1 if x is None else x
+        self.sampling.move(src, dst)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from services.worker.model_runner import build_runner
+from services.worker.model_runner import RunnerConfig, build_runner
 from services.worker.service import WorkerService
 from shared.cli_args import ConfigParser, setup_logging, wait_for_signal
 from shared.config import (
@@ -48,13 +48,15 @@ async def serve(argv: list[str] | None = None) -> None:
 
         model = str(ensure_default_model())
     runner = build_runner(
-        model,
-        kv_cache_gib=args.kv_cache_gib,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        device=args.device,
-        dtype=args.dtype,
+        RunnerConfig(
+            model_dir=model,
+            kv_cache_gib=args.kv_cache_gib,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            device=args.device,
+            dtype=args.dtype,
+        )
     )
     from shared.default_model import DEFAULT_MODEL_NAME
 

@@ -3,7 +3,7 @@ tensors, runs the model and the sampler, and writes sampled tokens back."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -13,26 +13,37 @@ from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.loader import load_model
 from services.worker.model_config import ModelConfig
-from services.worker.sampler import (
-    Sampler,
-    SamplerOutput,
-    SamplingMetadata,
-    build_sampling_metadata,
-)
+from services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from services.worker.sampler import prompt_logprobs as prompt_lp
+from services.worker.sampling_metadata import build_sampling_metadata
 from shared.protocol import BatchPlan, ModelRunnerOutput, TokenLogprobs
 
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    model_dir: str
-    block_size: int = 16
-    num_blocks: int = 1024
-    max_num_seqs: int = 256
-    max_model_len: int = 2048
+    """Everything a ModelRunner needs; each default is defined here once."""
+
+    model_dir: str  # HF-format checkpoint directory
+    kv_cache_gib: float = 1.0  # KV cache budget when num_blocks is None
+    num_blocks: int | None = None  # KV blocks of all layers; None: sized from kv_cache_gib
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # rows of the persistent batch
+    max_model_len: int = 2048  # capped at the model's max_position_embeddings
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # torch dtype of the weights and the KV cache
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 or None, got {self.num_blocks}")
+        if not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must name a torch floating-point dtype, got {self.dtype!r}")
 
 
 @dataclass
@@ -48,10 +59,14 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, config: RunnerConfig) -> None:
+        """`config.num_blocks` must be set (`build_runner` sizes it from kv_cache_gib)."""
+        if config.num_blocks is None:
+            raise ValueError("RunnerConfig.num_blocks is None: use build_runner(config)")
         self.config = config
+        self.num_blocks: int = config.num_blocks
         self.device = torch.device(config.device)
-        self.model_config = ModelConfig.from_dir(config.model_dir)
-        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        mc = self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
         dtype = getattr(torch, config.dtype)
         self.model = load_model(
             config.model_dir,
@@ -60,9 +75,8 @@ class ModelRunner:
             dtype,
             self.max_model_len,
         )
-        mc = self.model_config
         # One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
-        shape = (2, config.num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
+        shape = (2, self.num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_hidden_layers)
         ]
@@ -217,7 +231,8 @@ class ModelRunner:
         if result.logprobs is None:
             return [None] * len(rows)
         ids, values = result.logprob_token_ids.tolist(), result.logprobs.tolist()
-        ranks, wanted = result.sampled_ranks.tolist(), self.batch.num_logprobs[rows].tolist()
+        ranks = result.sampled_ranks.tolist()
+        wanted = self.batch.sampling.num_logprobs[rows].tolist()
         return [
             TokenLogprobs(ids[j][: k + 1], values[j][: k + 1], ranks[j]) if k >= 0 else None
             for j, k in enumerate(wanted)
@@ -233,7 +248,7 @@ class ModelRunner:
 
         Loops only over the requests that asked; positions are batched into one computation.
         """
-        wanted = np.flatnonzero(self.batch.num_prompt_logprobs[inputs.rows] >= 0)
+        wanted = np.flatnonzero(self.batch.sampling.num_prompt_logprobs[inputs.rows] >= 0)
         if not wanted.size:
             return {}
         num_sched = [plan.num_scheduled_tokens[r] for r in inputs.req_ids]
@@ -279,28 +294,11 @@ def num_kv_blocks(mc: ModelConfig, block_size: int, gib: float, dtype: str) -> i
     return max(1, int(gib * 2**30) // (per_block * dtype_bytes))
 
 
-def build_runner(
-    model_dir: str,
-    *,
-    kv_cache_gib: float = 1.0,
-    num_blocks: int | None = None,
-    block_size: int = 16,
-    max_num_seqs: int = 256,
-    max_model_len: int = 2048,
-    device: str = "cpu",
-    dtype: str = "float32",
-) -> ModelRunner:
-    """A runner whose KV cache takes `kv_cache_gib` (or exactly `num_blocks` blocks)."""
-    if num_blocks is None:
-        num_blocks = num_kv_blocks(ModelConfig.from_dir(model_dir), block_size, kv_cache_gib, dtype)
-    return ModelRunner(
-        RunnerConfig(
-            model_dir=model_dir,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            device=device,
-            dtype=dtype,
-        )
-    )
+def build_runner(config: RunnerConfig) -> ModelRunner:
+    """A runner whose KV cache has `config.num_blocks` blocks or, when that is None, as many
+    as fit in `config.kv_cache_gib`; its `config` carries the resolved num_blocks."""
+    if config.num_blocks is None:
+        mc = ModelConfig.from_dir(config.model_dir)
+        blocks = num_kv_blocks(mc, config.block_size, config.kv_cache_gib, config.dtype)
+        config = replace(config, num_blocks=blocks)
+    return ModelRunner(config)

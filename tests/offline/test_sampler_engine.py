@@ -1,15 +1,12 @@
 """The sampler inside the engine: seeds that hold across batches, preemption and a move to
 another engine; min_tokens and logit_bias; logprobs and prompt logprobs against transformers.
 
-A tiny random Llama (conftest `tiny_models`, plus a word-level tokenizer) keeps most of this
-cheap; one test runs the embedded SmolLM2.
+A tiny random Llama (conftest `tiny_dir`) keeps most of this cheap; one test runs the
+embedded SmolLM2.
 """
 
 from __future__ import annotations
 
-import shutil
-
-import pytest
 import torch
 
 from services.offline import LLM, SamplingParams
@@ -17,17 +14,6 @@ from services.scheduler.request import Request
 from shared.protocol import TokenLogprobs
 
 EOS = 1  # the tiny models' eos_token_id
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_models, tmp_path_factory):
-    from tokenizers import Tokenizer, models
-
-    path = tmp_path_factory.mktemp("sampler") / "llama"
-    shutil.copytree(tiny_models["llama"], path)
-    vocab = {f"t{i}": i for i in range(211)}
-    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
-    return path
 
 
 def prompt(n: int, seed: int) -> list[int]:

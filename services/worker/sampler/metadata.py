@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.sampling_params import is_greedy
+
 
 @dataclass
 class TokenRows:
@@ -72,11 +74,11 @@ class LogprobsSpec:
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [n] fp32, below 1e-5 = greedy
+    temperature: torch.Tensor  # [n] fp32; greedy rows: is_greedy(temperature)
     all_greedy: bool
     all_random: bool
     needs_temperature: bool  # some sampled row has temperature != 1
-    random_rows: torch.Tensor  # [m] int64 rows that sample (temperature >= 1e-5)
+    random_rows: torch.Tensor  # [m] int64 rows that sample (not greedy)
     seeded: torch.Tensor  # [n] bool
     seeds: torch.Tensor  # [n] int64
     output_positions: torch.Tensor  # [n] int64, index of the token being sampled
@@ -90,7 +92,7 @@ class SamplingMetadata:
 
     @property
     def greedy_mask(self) -> torch.Tensor:  # [n] bool
-        return self.temperature < 1e-5
+        return is_greedy(self.temperature)
 
     @property
     def changes_logits(self) -> bool:

@@ -1,6 +1,6 @@
 """The sampler: logits of the batch's sampling rows -> next tokens (+ logprobs).
 
-Order (DESIGN.md, execution chain step 5, vLLM's semantics): snapshot for raw logprobs ->
+Order (vLLM's semantics; see docs/architecture.md): snapshot for raw logprobs ->
 float32 -> allowed_token_ids -> bad words -> min_tokens -> logit_bias -> penalties -> greedy
 argmax, or temperature -> min_p -> top-k -> top-p -> (snapshot for processed logprobs) ->
 sample -> top logprobs with the sampled token's value and rank.
@@ -135,16 +135,6 @@ def apply_logit_processors(logits: torch.Tensor, meta: SamplingMetadata) -> None
         processors.ban_tokens(logits, meta.min_tokens)
     if meta.logit_bias is not None:
         processors.apply_logit_bias(logits, meta.logit_bias)
-
-
-def apply_filters(logits: torch.Tensor, meta: SamplingMetadata) -> Cutoffs | None:
-    """Temperature, then min_p, top-k and top-p masked into every row (greedy rows have them
-    off). The sampler itself avoids the full masking where a row keeps few tokens."""
-    if meta.needs_temperature:
-        topk_topp.apply_temperature(logits, meta.temperature)
-    if meta.filters is None:
-        return None
-    return topk_topp.apply_filters_to_logits(logits, meta.filters)
 
 
 def _attach_logprobs(

@@ -23,6 +23,7 @@ import torch
 from services.worker.sampler.block_topk import topk
 from services.worker.sampler.chunking import logsumexp_rows
 from services.worker.sampler.metadata import Filters
+from shared.sampling_params import is_greedy
 
 SMALL = 64  # rows keeping at most this many tokens sample from their topk window
 _GROWTH = 16
@@ -51,8 +52,8 @@ def on_rows(x: torch.Tensor, rows: torch.Tensor, fn: Callable[[torch.Tensor], No
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> None:
-    """Divide each row by its temperature; greedy rows (below 1e-5) are divided by 1."""
-    t = torch.where(temperature < 1e-5, torch.ones_like(temperature), temperature)
+    """Divide each row by its temperature; greedy rows are divided by 1."""
+    t = torch.where(is_greedy(temperature), torch.ones_like(temperature), temperature)
     logits.div_(t.unsqueeze(1))
 
 
@@ -74,13 +75,6 @@ def compute_cutoffs(logits: torch.Tensor, f: Filters) -> Cutoffs:
         thr = torch.maximum(thr, _top_p(x, values, thr, f.top_p))
     threshold[f.rows] = thr
     return _small_sets(threshold, f.rows, values, ids, thr)
-
-
-def apply_filters_to_logits(logits: torch.Tensor, f: Filters) -> Cutoffs:
-    """compute_cutoffs, then mask every filtered row of logits in full (processed logprobs)."""
-    cut = compute_cutoffs(logits, f)
-    on_rows(logits, f.rows, lambda x: mask_below(x, rows_of(cut.threshold, f.rows)))
-    return cut
 
 
 def _min_p_top_k(values: torch.Tensor, f: Filters) -> torch.Tensor:

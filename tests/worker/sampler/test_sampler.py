@@ -17,13 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.worker.input_batch import CachedRequestState, InputBatch
-from services.worker.sampler import Sampler, block_topk, build_sampling_metadata
+from services.worker.sampler import Sampler, block_topk
 from services.worker.sampler.metadata import SamplingMetadata
 from services.worker.sampler.penalties import apply_penalties
 from services.worker.sampler.random import position_uniforms
-from services.worker.sampler.sampler import apply_filters, apply_logit_processors
-from services.worker.sampler.topk_topp import compute_cutoffs
-from shared.sampling_params import SamplingParams
+from services.worker.sampler.sampler import apply_logit_processors
+from services.worker.sampler.topk_topp import apply_temperature, compute_cutoffs, mask_below
+from services.worker.sampling_metadata import build_sampling_metadata
+from shared.sampling_params import LOGPROBS_MODES, SamplingParams
 
 EOS = (1, 2)
 _M64 = 2**64 - 1
@@ -142,7 +143,6 @@ def ref_top_logprobs(values: torch.Tensor, token: int, k: int) -> tuple[list[int
 
 # ---- strategies ---------------------------------------------------------------------------
 
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 VOCABS = st.sampled_from([3, 17, 64, 211, 1100, 2100])
 
 
@@ -212,6 +212,15 @@ def assert_same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def processed(reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
     return torch.stack([ref_processors(logits[i], r) for i, r in enumerate(reqs)])
+
+
+def apply_filters(x: torch.Tensor, meta: SamplingMetadata) -> None:
+    """The sampler's temperature and filters, with every row masked in full (as its processed
+    logprobs snapshot is; sampling itself skips the full masking for small kept sets)."""
+    if meta.needs_temperature:
+        apply_temperature(x, meta.temperature)
+    if meta.filters is not None:
+        mask_below(x, compute_cutoffs(x, meta.filters).threshold)
 
 
 def near_tie_at_top(x: torch.Tensor) -> bool:

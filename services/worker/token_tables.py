@@ -1,10 +1,13 @@
-"""Per-row token lists of the persistent batch, stored padded so a step gathers them at once.
+"""Per-row token lists of the persistent batch (stop ids, allowed ids, logit bias, bad words),
+stored padded so a step gathers them at once.
 
 Padding never needs a validity mask: a short row repeats its own first id (with value 0), so
 masking a padded id bans nothing new and adding a padded value adds nothing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -17,16 +20,19 @@ class TokenTable:
         self.ids = np.zeros((num_rows, 0), dtype=np.int64)
         self.values = np.zeros((num_rows, 0), dtype=np.float32) if with_values else None
 
-    def set(self, row: int, ids: list[int] | None, values: list[float] | None = None) -> None:
+    def set(self, row: int, ids: Sequence[int] | Mapping[int, float] | None) -> None:
+        """A row's ids; a table with values takes {id: value} (logit_bias)."""
         self.has[row] = bool(ids)
         if not ids:
             return
-        self._ensure_width(len(ids))
-        self.ids[row] = ids[0]
-        self.ids[row, : len(ids)] = ids
+        id_list = list(ids)
+        self._ensure_width(len(id_list))
+        self.ids[row] = id_list[0]
+        self.ids[row, : len(id_list)] = id_list
         if self.values is not None:
+            assert isinstance(ids, Mapping), "a table with values takes {id: value}"
             self.values[row] = 0.0
-            self.values[row, : len(ids)] = values
+            self.values[row, : len(id_list)] = list(ids.values())
 
     def move(self, src: int, dst: int) -> None:
         self.has[dst] = self.has[src]

@@ -1,4 +1,5 @@
-"""SamplingMetadata for one step's sampled rows, gathered from the persistent batch.
+"""SamplingMetadata for one step's sampled rows, gathered from the persistent batch (vLLM:
+InputBatch._make_sampling_metadata); the sampler package only consumes the result.
 
 Every field is a numpy gather over the step's rows (no loop over requests); a feature that no
 row uses becomes None, and host-side flags (all greedy, any temperature, max top-k) spare the
@@ -8,11 +9,11 @@ sampler any device sync to find out.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from services.worker.input_batch import InputBatch
 from services.worker.sampler.metadata import (
     Allowed,
     BadWords,
@@ -22,11 +23,13 @@ from services.worker.sampler.metadata import (
     SamplingMetadata,
     TokenRows,
 )
-from services.worker.sampler.tables import TokenTable
-from shared.sampling_params import GREEDY_EPS
+from services.worker.sampling_columns import SamplingColumns
+from services.worker.token_tables import TokenTable
+from shared.sampling_params import LOGPROBS_MODES, is_greedy
 
-if TYPE_CHECKING:
-    from services.worker.input_batch import InputBatch
+# By logprobs_mode index: a raw_* mode (else processed_*), *_logprobs (else *_logits).
+_RAW_MODE = np.array([mode.startswith("raw_") for mode in LOGPROBS_MODES])
+_AS_LOGPROBS = np.array([mode.endswith("_logprobs") for mode in LOGPROBS_MODES])
 
 
 def build_sampling_metadata(
@@ -37,26 +40,26 @@ def build_sampling_metadata(
     device: torch.device | str = "cpu",
 ) -> SamplingMetadata:
     """rows: [n] persistent-batch rows, in the order of the logits' rows."""
-    dev = torch.device(device)
-    temperature = batch.temperature[rows]
-    greedy = temperature < GREEDY_EPS
-    output_len = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+    dev, cols = torch.device(device), batch.sampling
+    temperature = cols.temperature[rows]  # [n]
+    greedy = is_greedy(temperature)  # [n] bool
+    output_len = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]  # [n]
     return SamplingMetadata(
         temperature=_tensor(temperature, dev),
         all_greedy=bool(greedy.all()),
         all_random=bool(greedy.size) and not bool(greedy.any()),
         needs_temperature=bool((~greedy & (temperature != 1.0)).any()),
         random_rows=_tensor(np.flatnonzero(~greedy), dev),
-        seeded=_tensor(batch.has_seed[rows], dev),
-        seeds=_tensor(batch.seed[rows], dev),
+        seeded=_tensor(cols.has_seed[rows], dev),
+        seeds=_tensor(cols.seed[rows], dev),
         output_positions=_tensor(output_len, dev),
-        filters=_filters(batch, rows, vocab_size, dev),
-        allowed=_allowed(batch, rows, vocab_size, dev),
+        filters=_filters(cols, rows, vocab_size, dev),
+        allowed=_allowed(cols, rows, vocab_size, dev),
         bad_words=_bad_words(batch, rows, dev),
-        min_tokens=_min_tokens(batch, rows, output_len, eos_token_ids, dev),
-        logit_bias=_token_rows(batch.logit_bias, rows, dev),
+        min_tokens=_min_tokens(cols, rows, output_len, eos_token_ids, dev),
+        logit_bias=_token_rows(cols.logit_bias, rows, dev),
         penalties=_penalties(batch, rows, dev),
-        logprobs=_logprobs(batch, rows, dev),
+        logprobs=_logprobs(cols, rows, dev),
     )
 
 
@@ -65,11 +68,11 @@ def _tensor(arr: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _filters(
-    batch: InputBatch, rows: np.ndarray, vocab: int, device: torch.device
+    cols: SamplingColumns, rows: np.ndarray, vocab: int, device: torch.device
 ) -> Filters | None:
-    """Greedy rows have every filter off already (InputBatch._set_sampling)."""
-    min_p, top_p = batch.min_p[rows], batch.top_p[rows]
-    top_k = np.where(batch.top_k[rows] < vocab, batch.top_k[rows], 0)  # k >= vocab keeps all
+    """Greedy rows have every filter off already (SamplingColumns)."""
+    min_p, top_p, top_k = cols.min_p[rows], cols.top_p[rows], cols.top_k[rows]
+    top_k = np.where(top_k < vocab, top_k, 0)  # k >= vocab keeps all
     sel = np.flatnonzero((min_p > 0.0) | (top_k > 0) | (top_p < 1.0))
     if not sel.size:
         return None
@@ -84,12 +87,12 @@ def _filters(
 
 
 def _allowed(
-    batch: InputBatch, rows: np.ndarray, vocab: int, device: torch.device
+    cols: SamplingColumns, rows: np.ndarray, vocab: int, device: torch.device
 ) -> Allowed | None:
-    sel = np.flatnonzero(batch.allowed_token_ids.has[rows])
+    sel = np.flatnonzero(cols.allowed_token_ids.has[rows])
     if not sel.size:
         return None
-    banned = batch.allowed_token_ids.unpack(rows[sel], vocab)
+    banned = cols.allowed_token_ids.unpack(rows[sel], vocab)
     np.logical_not(banned, out=banned)
     return Allowed(_tensor(sel, device), _tensor(banned, device))
 
@@ -104,11 +107,12 @@ def _token_rows(table: TokenTable, rows: np.ndarray, device: torch.device) -> To
 
 
 def _bad_words(batch: InputBatch, rows: np.ndarray, device: torch.device) -> BadWords | None:
-    sel = np.flatnonzero(batch.bad_words.has[rows])
+    table = batch.sampling.bad_words
+    sel = np.flatnonzero(table.has[rows])
     if not sel.size:
         return None
     picked = rows[sel]
-    words = batch.bad_words.words[picked]  # [r, num_words, word_len]
+    words = table.words[picked]  # [r, num_words, word_len]
     positions = batch.num_tokens[picked, None] - words.shape[2] + 1 + np.arange(words.shape[2] - 1)
     in_output = positions >= batch.num_prompt_tokens[picked, None]  # [r, word_len - 1]
     tokens = batch.token_ids[picked[:, None], np.maximum(positions, 0)]
@@ -117,7 +121,7 @@ def _bad_words(batch: InputBatch, rows: np.ndarray, device: torch.device) -> Bad
 
 
 def _min_tokens(
-    batch: InputBatch,
+    cols: SamplingColumns,
     rows: np.ndarray,
     output_len: np.ndarray,
     eos_token_ids: Sequence[int],
@@ -126,12 +130,12 @@ def _min_tokens(
     """Rows still below min_tokens, with their stop ids and every EOS id to ban (vLLM bans
     EOS there even with ignore_eos)."""
     eos = np.asarray(eos_token_ids, dtype=np.int64)
-    below = output_len < batch.min_tokens[rows]
-    has_stop = batch.stop_token_ids.has[rows]
+    below = output_len < cols.min_tokens[rows]
+    has_stop = cols.stop_token_ids.has[rows]
     sel = np.flatnonzero(below & (has_stop | (eos.size > 0)))
     if not sel.size:
         return None
-    stop = batch.stop_token_ids.ids[rows[sel]]  # [r, width]
+    stop = cols.stop_token_ids.ids[rows[sel]]  # [r, width]
     if eos.size:  # rows without stop ids repeat an EOS id instead
         stop = np.where(has_stop[sel, None], stop, eos[0])
     ids = np.concatenate((stop, np.broadcast_to(eos, (sel.size, eos.size))), axis=1)
@@ -139,8 +143,9 @@ def _min_tokens(
 
 
 def _penalties(batch: InputBatch, rows: np.ndarray, device: torch.device) -> Penalties | None:
-    rep, freq = batch.repetition_penalty[rows], batch.frequency_penalty[rows]
-    pres = batch.presence_penalty[rows]
+    cols = batch.sampling
+    rep, freq = cols.repetition_penalty[rows], cols.frequency_penalty[rows]
+    pres = cols.presence_penalty[rows]
     sel = np.flatnonzero((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
     if not sel.size:
         return None
@@ -161,16 +166,17 @@ def _penalties(batch: InputBatch, rows: np.ndarray, device: torch.device) -> Pen
     )
 
 
-def _logprobs(batch: InputBatch, rows: np.ndarray, device: torch.device) -> LogprobsSpec | None:
-    num = batch.num_logprobs[rows]
+def _logprobs(cols: SamplingColumns, rows: np.ndarray, device: torch.device) -> LogprobsSpec | None:
+    num = cols.num_logprobs[rows]
     wanted = num >= 0
     if not wanted.any():
         return None
-    mode = batch.logprobs_mode[rows]  # 0 raw_logprobs, 1 raw_logits, 2 processed_*, 3 ...
-    raw, processed = np.flatnonzero(wanted & (mode < 2)), np.flatnonzero(wanted & (mode >= 2))
+    mode = cols.logprobs_mode[rows]  # [n] LOGPROBS_MODES index
+    raw_mode = _RAW_MODE[mode]
+    raw, processed = np.flatnonzero(wanted & raw_mode), np.flatnonzero(wanted & ~raw_mode)
     return LogprobsSpec(
         num_logprobs=num.tolist(),
         raw_rows=_tensor(raw, device) if raw.size else None,
         processed_rows=_tensor(processed, device) if processed.size else None,
-        as_logprobs=_tensor(mode % 2 == 0, device),
+        as_logprobs=_tensor(_AS_LOGPROBS[mode], device),
     )
