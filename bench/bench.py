@@ -1,4 +1,4 @@
-"""`make bench`: skiff against transformers `generate` on DESIGN.md's reference workload.
+"""`make bench`: skiff against transformers `generate` on the reference workload.
 
 Peers run side by side in this one process and are reported as ratios, never against a fixed
 number: the machine is shared and noisy. Sections: the offline engine vs transformers static

@@ -8,7 +8,7 @@
    triton.testing.do_bench) and reports the kernel's achieved bandwidth against the measured
    copy bandwidth. Paged-attention decode at batch 64 x 2k context is held to >= 70% of it,
    beside a sweep of its tiling knobs and torch SDPA over the same keys laid out densely.
-3. Runs DESIGN.md's reference workload (SmolLM2-135M, greedy, 32 requests, prompts of 16-256
+3. Runs the reference workload (SmolLM2-135M, greedy, 32 requests, prompts of 16-256
    tokens, outputs of 16-128, all at once) through `LLM.generate` and, on the same GPU,
    transformers `generate` with static batches: output tokens/s, TTFT and inter-token latency,
    and how far the greedy outputs agree.

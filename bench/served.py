@@ -17,6 +17,7 @@ import urllib.request
 import httpx
 
 from services.launcher import Stack, StackConfig, free_port
+from shared.config import SchedulerServiceConfig
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -71,7 +72,7 @@ def run_served(model_dir: str, prompts: list[list[int]], outputs: list[int]) -> 
             model_dir=model_dir,
             served_model_name="bench",
             port=free_port(),
-            scheduler_metrics_port=metrics_port,
+            scheduler_service=SchedulerServiceConfig(metrics_port=metrics_port),
             log_dir="/tmp/skiff-bench",
         )
     )

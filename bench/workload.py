@@ -72,7 +72,7 @@ def token_prompts(tokenizer, lengths: list[int], seed: int = 0) -> list[list[int
 
 
 def reference_workload(tokenizer, num_requests: int = 32, seed: int = 0):
-    """DESIGN.md's reference workload: prompts of 16-256 tokens, outputs of 16-128 tokens."""
+    """The reference workload: prompts of 16-256 tokens, outputs of 16-128 tokens."""
     rng = random.Random(seed)
     lengths = [rng.randint(16, 256) for _ in range(num_requests)]
     outputs = [rng.randint(16, 128) for _ in range(num_requests)]

@@ -3,30 +3,39 @@ run one service each (that is how the containers run them)."""
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.cli_args import ConfigParser
+
+
+def build_serve_parser() -> ConfigParser:
+    from services.launcher import StackConfig
+    from shared.cli_args import ConfigParser
+    from shared.config import SchedulerConfig
+
+    p = ConfigParser(prog="skiff serve", description="Run the whole stack locally.")
+    p.add_argument(
+        "--model", default=p.env("model"), help="HF-format model directory (default: embedded)"
+    )
+    p.add_argument("--served-model-name", default=p.env("served_model_name"))
+    p.add_config(StackConfig, build=False)
+    p.add_config(SchedulerConfig)
+    return p
 
 
 def serve(argv: list[str]) -> int:
     from services.launcher import Stack, StackConfig, StartupError
-    from shared.cli_args import env_default
+    from shared.cli_args import config_from
+    from shared.config import SchedulerConfig
     from shared.default_model import DEFAULT_MODEL_NAME, cache_root
 
-    p = argparse.ArgumentParser(prog="skiff serve", description="Run the whole stack locally.")
-    p.add_argument("--model", default=env_default("model", None))
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=env_default("port", 8000, int))
-    p.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--api-key", default=env_default("api_key", None))
-    args = p.parse_args(argv)
-
+    parser = build_serve_parser()
+    args, configs = parser.parse_configs(argv)
     model = args.model
     if model is None:
         from services.worker.gguf_convert import ensure_default_model
@@ -38,17 +47,13 @@ def serve(argv: list[str]) -> int:
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
     log_dir = str(cache_root() / "logs")
     stack = Stack(
-        StackConfig(
-            log_dir=log_dir,
+        config_from(
+            StackConfig,
+            args,
             model_dir=model,
             served_model_name=name,
-            host=args.host,
-            port=args.port,
-            nats_url=args.nats_url,
-            num_workers=args.workers,
-            kv_cache_gib=args.kv_cache_gib,
-            max_model_len=args.max_model_len,
-            api_key=args.api_key,
+            log_dir=log_dir,
+            scheduler=configs[SchedulerConfig],
         )
     )
 

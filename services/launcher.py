@@ -5,6 +5,7 @@ Used by `skiff serve` and by the end-to-end tests, so both run exactly the same 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -15,6 +16,11 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.gateway.config import GatewayConfig
+from services.worker.config import RunnerConfig
+from shared.cli_args import setting, to_argv
+from shared.config import SchedulerConfig, SchedulerServiceConfig, WorkerServiceConfig
 
 
 def free_port() -> int:
@@ -34,25 +40,30 @@ class StartupError(RuntimeError):
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class StackConfig:
+    """`skiff serve`: which processes run on this machine. Each service's own settings come
+    from its config (`scheduler`, `scheduler_service`), so their defaults stay defined once;
+    the workers take the scheduler's `max_num_seqs` and `max_model_len`."""
+
     model_dir: str
     served_model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    nats_url: str | None = None  # None: start our own nats-server
-    nats_max_payload: int | None = None  # bytes per message of our own nats-server (1 MiB)
-    num_workers: int = 1
-    kv_cache_gib: float = 1.0
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int = 8192
-    api_key: str | None = None
-    subject_prefix: str = "skiff"
-    worker_timeout_s: float = 5.0
-    scheduler_metrics_port: int = 0  # 0: no /metrics endpoint for the scheduler
-    log_dir: str | None = None  # None: children log to our stderr
+    host: str = setting("127.0.0.1", "gateway listen address")
+    port: int = setting(GatewayConfig.port, "gateway HTTP port")
+    api_key: str | None = setting(None, "require this bearer token (default: no auth)")
+    nats_url: str | None = setting(None, "use this NATS instead of starting one")
+    # bytes per message of our own nats-server (default: the server's, 1 MiB)
+    nats_max_payload: int | None = setting(None, "", cli=False)
+    num_workers: int = setting(1, "CPU workers to start", name="workers")
+    kv_cache_gib: float = setting(RunnerConfig.kv_cache_gib, "KV cache of each worker, GiB")
+    log_dir: str | None = setting(None, "", cli=False)  # None: children log to our stderr
     extra_env: dict[str, str] = field(default_factory=dict)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler_service: SchedulerServiceConfig = field(default_factory=SchedulerServiceConfig)
+
+    @property
+    def subject_prefix(self) -> str:
+        return self.scheduler_service.subject_prefix
 
 
 class Stack:
@@ -95,74 +106,41 @@ class Stack:
 
     def start_scheduler(self) -> None:
         c = self.config
-        self._spawn(
-            "scheduler",
-            self._python(
-                "services.scheduler.main",
-                "--nats-url",
-                self.nats_url,
-                "--subject-prefix",
-                c.subject_prefix,
-                "--served-model-name",
-                c.served_model_name,
-                "--max-num-batched-tokens",
-                str(c.max_num_batched_tokens),
-                "--max-num-seqs",
-                str(c.max_num_seqs),
-                "--max-model-len",
-                str(c.max_model_len),
-                "--worker-timeout",
-                str(c.worker_timeout_s),
-                "--metrics-port",
-                str(c.scheduler_metrics_port),
-            ),
+        service = dataclasses.replace(
+            c.scheduler_service, nats_url=self.nats_url, model_name=c.served_model_name
         )
+        argv = to_argv(service) + to_argv(c.scheduler)
+        self._spawn("scheduler", self._python("services.scheduler.main", *argv))
 
     def start_worker(self, index: int) -> None:
         c = self.config
-        self._spawn(
-            f"worker-{index}",
-            self._python(
-                "services.worker.main",
-                "--nats-url",
-                self.nats_url,
-                "--subject-prefix",
-                c.subject_prefix,
-                "--model",
-                c.model_dir,
-                "--served-model-name",
-                c.served_model_name,
-                "--worker-id",
-                f"worker-{index}",
-                "--kv-cache-gib",
-                str(c.kv_cache_gib),
-                "--max-num-seqs",
-                str(c.max_num_seqs),
-                "--max-model-len",
-                str(c.max_model_len),
-            ),
+        service = WorkerServiceConfig(
+            nats_url=self.nats_url,
+            subject_prefix=c.subject_prefix,
+            worker_id=f"worker-{index}",
+            model_name=c.served_model_name,
         )
+        runner = RunnerConfig(
+            model_dir=c.model_dir,
+            kv_cache_gib=c.kv_cache_gib,
+            max_num_seqs=c.scheduler.max_num_seqs,
+            max_model_len=c.scheduler.max_model_len,
+        )
+        argv = ["--model", c.model_dir, *to_argv(service), *to_argv(runner)]
+        self._spawn(f"worker-{index}", self._python("services.worker.main", *argv))
 
     def start_gateway(self) -> None:
         c = self.config
-        argv = self._python(
-            "services.gateway.main",
-            "--nats-url",
-            self.nats_url,
-            "--subject-prefix",
-            c.subject_prefix,
-            "--host",
-            c.host,
-            "--port",
-            str(c.port),
-            "--model-dir",
-            c.model_dir,
-            "--served-model-name",
-            c.served_model_name,
+        gateway = GatewayConfig(
+            nats_url=self.nats_url,
+            subject_prefix=c.subject_prefix,
+            host=c.host,
+            port=c.port,
+            model_dir=c.model_dir,
+            served_model_name=c.served_model_name,
+            api_key=c.api_key,
         )
-        if c.api_key:
-            argv += ["--api-key", c.api_key]
-        self._spawn("gateway", argv)
+        self._spawn("gateway", self._python("services.gateway.main", *to_argv(gateway)))
 
     def start(self, timeout_s: float = 300.0, progress=None) -> None:
         """Start everything and wait until the gateway reports a ready worker."""

@@ -15,7 +15,8 @@ from typing import Any
 
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput, Scheduler
-from services.worker.model_runner import RunnerConfig, build_runner
+from services.worker.config import RunnerConfig
+from services.worker.model_runner import build_runner
 from shared.config import SchedulerConfig
 from shared.protocol import BatchPlan, ModelRunnerOutput, TokenLogprobs, decoder, encode
 from shared.sampling_params import SamplingParams, check_prompt_fits, validate_sampling_params

@@ -50,20 +50,21 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"expected true or false, got {text!r}")
 
 
-def _scalar_type(hint: Any) -> tuple[type, bool]:
-    """(type, optional) of a field annotation such as `int`, `str | None` or `float`."""
+def _scalar_type(hint: Any) -> type:
+    """The type of a field annotation such as `int`, `str | None` or `float`."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
-        return inner, True
-    return hint, False
+        return typing.cast(type, inner)
+    return typing.cast(type, hint)
 
 
-def _cli_fields(cls: type) -> Iterable[tuple[dataclasses.Field[Any], type, bool]]:
+def _cli_fields(cls: type) -> Iterable[tuple[dataclasses.Field[Any], type]]:
+    """Fields with a default and on the command line, with their scalar type."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("cli", True) and f.default is not dataclasses.MISSING:
-            yield (f, *_scalar_type(hints[f.name]))
+            yield f, _scalar_type(hints[f.name])
 
 
 class ConfigParser(argparse.ArgumentParser):
@@ -75,14 +76,15 @@ class ConfigParser(argparse.ArgumentParser):
         self.env_vars: set[str] = set()  # every SKIFF_* variable this command reads
         self._configs: list[type] = []
 
-    def add_config(self, cls: type, *, skip: Iterable[str] = ()) -> None:
-        group = self.add_argument_group(cls.__name__, (cls.__doc__ or "").split("\n")[0])
-        for f, kind, optional in _cli_fields(cls):
-            name = public_name(f)
-            if name in skip:
-                continue
-            self._add(group, name, f, kind, optional)
-        self._configs.append(cls)
+    def add_config(self, cls: type, *, build: bool = True) -> None:
+        """Flags for the fields of `cls`; `parse_configs` builds it unless `build` is False
+        (for a config with required fields: build it with `config_from`)."""
+        summary = " ".join((cls.__doc__ or "").split("\n\n")[0].split())
+        group = self.add_argument_group(cls.__name__, summary)
+        for f, kind in _cli_fields(cls):
+            self._add(group, public_name(f), f, kind)
+        if build:
+            self._configs.append(cls)
 
     def env(self, name: str, default: Any = None, cast: Callable[[str], Any] = str) -> Any:
         """A variable outside the configs (for a flag added by hand)."""
@@ -96,7 +98,6 @@ class ConfigParser(argparse.ArgumentParser):
         name: str,
         f: dataclasses.Field[Any],
         kind: type,
-        optional: bool,
     ) -> None:
         flag = "--" + name.replace("_", "-")
         cast: Callable[[str], Any] = _parse_bool if kind is bool else kind
@@ -129,20 +130,19 @@ def config_from(cls: type[C], ns: argparse.Namespace, **fixed: Any) -> C:
     """An instance of `cls` from the parsed flags (fields without a flag keep their default)."""
     values = {
         f.name: getattr(ns, public_name(f))
-        for f, _, _ in _cli_fields(cls)
+        for f, _ in _cli_fields(cls)
         if hasattr(ns, public_name(f))
     }
     return cls(**{**values, **fixed})
 
 
-def to_argv(config: Any, *, skip: Iterable[str] = ()) -> list[str]:
-    """The flags that reproduce `config` in a child process (fields at their default omitted)."""
+def to_argv(config: Any) -> list[str]:
+    """The flags that reproduce `config` in a child process (every field with a value, so
+    that no inherited SKIFF_* variable can change it there)."""
     argv: list[str] = []
-    for f, kind, _ in _cli_fields(type(config)):
-        name, value = public_name(f), getattr(config, f.name)
-        if name in skip or value == f.default:
-            continue
-        flag = "--" + name.replace("_", "-")
+    for f, kind in _cli_fields(type(config)):
+        value = getattr(config, f.name)
+        flag = "--" + public_name(f).replace("_", "-")
         if kind is bool:
             argv.append(flag if value else "--no-" + flag[2:])
         elif value is not None:

@@ -127,6 +127,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 def stack(smollm2_dir, tmp_path_factory):
     """The real services as processes: nats-server, scheduler, one CPU worker, gateway."""
     from services.launcher import Stack, StackConfig, free_port
+    from shared.config import SchedulerConfig
 
     logs = tmp_path_factory.mktemp("stack-logs")
     s = Stack(
@@ -135,7 +136,7 @@ def stack(smollm2_dir, tmp_path_factory):
             served_model_name="SmolLM2-135M-Instruct",
             port=free_port(),
             kv_cache_gib=0.5,
-            max_model_len=2048,
+            scheduler=SchedulerConfig(max_model_len=2048),
             log_dir=str(logs),
         )
     )

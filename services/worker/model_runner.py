@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from services.worker.attention import AttentionMetadata, get_attention_backend
+from services.worker.config import RunnerConfig
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.loader import load_model
@@ -17,33 +18,6 @@ from services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from services.worker.sampler import prompt_logprobs as prompt_lp
 from services.worker.sampling_metadata import build_sampling_metadata
 from shared.protocol import BatchPlan, ModelRunnerOutput, TokenLogprobs
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    """Everything a ModelRunner needs; each default is defined here once."""
-
-    model_dir: str  # HF-format checkpoint directory
-    kv_cache_gib: float = 1.0  # KV cache budget when num_blocks is None
-    num_blocks: int | None = None  # KV blocks of all layers; None: sized from kv_cache_gib
-    block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 256  # rows of the persistent batch
-    max_model_len: int = 2048  # capped at the model's max_position_embeddings
-    device: str = "cpu"
-    dtype: str = "float32"  # torch dtype of the weights and the KV cache
-    cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1 or None, got {self.num_blocks}")
-        if not self.kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must name a torch floating-point dtype, got {self.dtype!r}")
 
 
 @dataclass

@@ -14,6 +14,7 @@ from openai import OpenAI
 
 from services.launcher import Stack, StackConfig, free_port
 from services.offline import SamplingParams
+from shared.config import SchedulerConfig
 from shared.protocol import OutputBatch, TokenDelta, TokenLogprobs, encode
 from shared.tokenizer import Tokenizer
 
@@ -33,7 +34,7 @@ def small_payload_stack(smollm2_dir, tmp_path_factory):
             port=free_port(),
             nats_max_payload=MAX_PAYLOAD,
             kv_cache_gib=0.25,
-            max_model_len=2048,
+            scheduler=SchedulerConfig(max_model_len=2048),
             log_dir=str(logs),
         )
     )

@@ -12,6 +12,7 @@ from openai import OpenAI
 
 from services.launcher import Stack, StackConfig, free_port
 from services.offline import SamplingParams
+from shared.config import SchedulerConfig
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Tell me about the history of the bicycle."
@@ -26,7 +27,7 @@ def own_stack(smollm2_dir, tmp_path_factory):
             served_model_name=MODEL,
             port=free_port(),
             kv_cache_gib=0.25,
-            max_model_len=2048,
+            scheduler=SchedulerConfig(max_model_len=2048),
             log_dir=str(tmp_path_factory.mktemp("reliability-logs")),
         )
     )

@@ -11,6 +11,7 @@ import pytest
 from bench.workload import token_prompts
 from services.launcher import Stack, StackConfig
 from shared import bus
+from shared.config import SchedulerServiceConfig
 from shared.protocol import (
     OutputBatch,
     SamplingParams,
@@ -32,7 +33,7 @@ def two_worker_stack(smollm2_dir, tmp_path_factory):
             model_dir=str(smollm2_dir),
             served_model_name="smol",
             num_workers=2,
-            worker_timeout_s=2.0,
+            scheduler_service=SchedulerServiceConfig(worker_timeout_s=2.0),
             kv_cache_gib=0.25,
             log_dir=str(tmp_path_factory.mktemp("logs")),
         )

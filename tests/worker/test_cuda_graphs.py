@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from services.worker.config import RunnerConfig
 from services.worker.cuda_graphs import DecodeGraphs
-from services.worker.model_runner import ModelRunner, RunnerConfig
+from services.worker.model_runner import ModelRunner
 from shared.protocol import BatchPlan, CachedRequestData, NewRequestData
 from shared.sampling_params import SamplingParams
 

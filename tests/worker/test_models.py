@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.model_runner import ModelRunner, RunnerConfig
+from services.worker.config import RunnerConfig
+from services.worker.model_runner import ModelRunner
 from shared.protocol import BatchPlan, CachedRequestData, NewRequestData
 from shared.sampling_params import SamplingParams
 

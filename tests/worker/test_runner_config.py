@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from services.worker.config import RunnerConfig
 from services.worker.model_config import ModelConfig
-from services.worker.model_runner import ModelRunner, RunnerConfig, build_runner, num_kv_blocks
+from services.worker.model_runner import ModelRunner, build_runner, num_kv_blocks
 
 
 @pytest.mark.parametrize(

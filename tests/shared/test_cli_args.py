@@ -1,0 +1,113 @@
+"""Flags and SKIFF_* variables derived from the config dataclasses: one definition each."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from services.gateway.config import GatewayConfig
+from services.worker.config import RunnerConfig
+from shared.cli_args import ConfigParser, config_from, to_argv
+from shared.config import SchedulerConfig, SchedulerServiceConfig, WorkerServiceConfig
+
+CONFIGS = [SchedulerConfig, SchedulerServiceConfig, WorkerServiceConfig, GatewayConfig]
+
+
+def _parse(cls: type, argv: list[str]) -> object:
+    parser = ConfigParser()
+    parser.add_config(cls)
+    return parser.parse_configs(argv)[1][cls]
+
+
+@pytest.mark.parametrize("cls", CONFIGS, ids=lambda c: c.__name__)
+def test_defaults_come_from_the_dataclass(cls, monkeypatch):
+    probe = ConfigParser()
+    probe.add_config(cls)
+    assert probe.env_vars  # one variable per field
+    for var in probe.env_vars:
+        monkeypatch.delenv(var, raising=False)
+    assert _parse(cls, []) == cls()
+
+
+def test_flag_beats_variable_beats_default(monkeypatch):
+    monkeypatch.setenv("SKIFF_MAX_NUM_SEQS", "12")
+    monkeypatch.setenv("SKIFF_ENABLE_PREFIX_CACHING", "false")
+    assert _parse(SchedulerConfig, []) == SchedulerConfig(
+        max_num_seqs=12, enable_prefix_caching=False
+    )
+    config = _parse(SchedulerConfig, ["--max-num-seqs", "3", "--enable-prefix-caching"])
+    assert (config.max_num_seqs, config.enable_prefix_caching) == (3, True)
+
+
+def test_public_names_and_optional_values(monkeypatch):
+    monkeypatch.setenv("SKIFF_WORKER_TIMEOUT", "2.5")
+    config = _parse(SchedulerServiceConfig, ["--served-model-name", "m"])
+    assert (config.worker_timeout_s, config.model_name) == (2.5, "m")
+    gateway = _parse(GatewayConfig, ["--max-model-len", "512"])
+    assert (gateway.max_model_len, gateway.api_key) == (512, None)
+
+
+def test_bad_values_are_usage_errors(monkeypatch):
+    with pytest.raises(SystemExit):
+        _parse(SchedulerConfig, ["--max-num-seqs", "0"])  # the dataclass refuses it
+    monkeypatch.setenv("SKIFF_ENABLE_PREFIX_CACHING", "maybe")
+    with pytest.raises(SystemExit):
+        _parse(SchedulerConfig, [])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        SchedulerConfig(max_num_seqs=7, enable_prefix_caching=False),
+        SchedulerServiceConfig(nats_url="nats://h:1", worker_timeout_s=2.0, model_name="x"),
+        WorkerServiceConfig(worker_id="w-3", heartbeat_interval_s=0.25),
+        GatewayConfig(port=9001, api_key="k", max_model_len=64),
+    ],
+    ids=lambda c: type(c).__name__,
+)
+def test_to_argv_reproduces_the_config(config, monkeypatch):
+    monkeypatch.setenv("SKIFF_MAX_NUM_SEQS", "99")  # an inherited variable must not win
+    monkeypatch.setenv("SKIFF_LOG_LEVEL", "ERROR")
+    assert _parse(type(config), to_argv(config)) == config
+
+
+def test_runner_config_needs_its_model_dir():
+    parser = ConfigParser()
+    parser.add_config(RunnerConfig, build=False)
+    args = parser.parse_args(["--kv-cache-gib", "0.5", "--no-cuda-graphs"])
+    config = config_from(RunnerConfig, args, model_dir="/m")
+    assert config == RunnerConfig(model_dir="/m", kv_cache_gib=0.5, cuda_graphs=False)
+    assert "SKIFF_DTYPE" in parser.env_vars and "SKIFF_MODEL_DIR" not in parser.env_vars
+
+
+def test_serve_passes_its_settings_to_every_process():
+    from services.cli import build_serve_parser
+    from services.launcher import Stack, StackConfig
+
+    args, configs = build_serve_parser().parse_configs(
+        ["--max-model-len", "1024", "--kv-cache-gib", "0.5", "--workers", "2", "--port", "8123"]
+    )
+    stack_config = config_from(
+        StackConfig, args, model_dir="/m", served_model_name="n", scheduler=configs[SchedulerConfig]
+    )
+    stack = Stack(stack_config)
+    spawned: dict[str, list[str]] = {}
+    stack._spawn = lambda name, argv: spawned.setdefault(name, argv[3:])  # type: ignore[method-assign]
+    stack.start_scheduler()
+    stack.start_worker(1)
+    stack.start_gateway()
+    from services.gateway.main import parse_args as gateway_args
+    from services.scheduler.main import parse_args as scheduler_args
+    from services.worker.main import build_parser as worker_parser
+
+    service, scheduler = scheduler_args(spawned["scheduler"])
+    assert scheduler.max_model_len == 1024 and service.model_name == "n"
+    worker_ns, worker = worker_parser().parse_configs(spawned["worker-1"])
+    runner = config_from(RunnerConfig, worker_ns, model_dir=worker_ns.model)
+    assert (runner.model_dir, runner.kv_cache_gib, runner.max_model_len) == ("/m", 0.5, 1024)
+    assert worker[WorkerServiceConfig].worker_id == "worker-1"
+    assert worker[WorkerServiceConfig].nats_url == stack.nats_url == service.nats_url
+    gateway = gateway_args(spawned["gateway"])
+    assert (gateway.port, gateway.model_dir, gateway.nats_url) == (8123, "/m", stack.nats_url)
+    assert dataclasses.replace(stack_config, num_workers=2) == stack_config
