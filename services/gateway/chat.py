@@ -13,7 +13,7 @@ from services.gateway.errors import APIError
 from services.gateway.generation import Generation
 from services.gateway.logprobs import chat_logprobs, prompt_logprobs_body
 from services.gateway.protocol import ChatCompletionRequest
-from services.gateway.sampling import build_sampling_params, stop_strings
+from services.gateway.sampling import api_field_names, build_sampling_params, stop_strings
 from services.gateway.serving import (
     Payload,
     check_num_choices,
@@ -49,16 +49,20 @@ def router(ctx: GatewayContext) -> APIRouter:
             body.messages, body.add_generation_prompt, body.continue_final_message
         )
         prompt_ids = await ctx.encode(text, body.add_special_tokens)
-        requested = body.max_completion_tokens or body.max_tokens
-        max_tokens = resolve_max_tokens(requested, len(prompt_ids), ctx.max_model_len(), "messages")
-        params = build_sampling_params(
-            body,
-            ctx.tokenizer,
-            max_tokens=max_tokens,
-            logprobs=num_top,
-            prompt_logprobs=body.prompt_logprobs,
-            logprobs_param="top_logprobs",
-        )
+        requested, field = body.max_completion_tokens, "max_completion_tokens"
+        if requested is None:
+            requested, field = body.max_tokens, "max_tokens"
+        with api_field_names({"max_tokens": field, "logprobs": "top_logprobs"}):
+            max_tokens = resolve_max_tokens(
+                requested, len(prompt_ids), ctx.max_model_len(), "messages"
+            )
+            params = build_sampling_params(
+                body,
+                ctx.tokenizer,
+                max_tokens=max_tokens,
+                logprobs=num_top,
+                prompt_logprobs=body.prompt_logprobs,
+            )
         base = engine_base_id()
         specs = [
             ChoiceSpec(

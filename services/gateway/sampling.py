@@ -6,6 +6,9 @@ keys, tokenizing `bad_words`, and the `stop` strings the gateway matches itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from services.gateway.errors import APIError
 from services.gateway.protocol import SamplingFields
 from shared.sampling_params import SamplingParams, SamplingParamsError, validate_sampling_params
@@ -60,11 +63,9 @@ def build_sampling_params(
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None,
-    logprobs_param: str = "logprobs",
 ) -> SamplingParams:
     """The request's parameters for all its `n` choices (`SamplingParams.for_choice` splits
-    them into one engine request per choice); raises `SamplingParamsError` when invalid.
-    `logprobs_param` is the API field that `logprobs` came from (chat: `top_logprobs`)."""
+    them into one engine request per choice); raises `SamplingParamsError` when invalid."""
     fields = {name: getattr(req, name) for name in _PASS_THROUGH if getattr(req, name) is not None}
     params = SamplingParams(
         n=req.n,
@@ -80,10 +81,16 @@ def build_sampling_params(
         bad_words_token_ids=_bad_words(req.bad_words, tokenizer),
         **fields,
     )
-    try:
-        validate_sampling_params(params, tokenizer.vocab_size)
-    except SamplingParamsError as exc:
-        if exc.param == "logprobs":
-            exc.param = logprobs_param
-        raise
+    validate_sampling_params(params, tokenizer.vocab_size)
     return params
+
+
+@contextmanager
+def api_field_names(names: dict[str, str]) -> Iterator[None]:
+    """Report rulebook errors under the API's own field names (chat sends `logprobs` as
+    `top_logprobs`, and `max_tokens` possibly as `max_completion_tokens`)."""
+    try:
+        yield
+    except SamplingParamsError as exc:
+        exc.param = names.get(exc.param, exc.param)
+        raise

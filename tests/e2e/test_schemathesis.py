@@ -16,8 +16,8 @@ def _cap_generation(body) -> None:
     if not isinstance(body, dict):
         return
     for key in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(key), int) and body[key] > MAX_TOKENS_CAP:
-            body[key] = MAX_TOKENS_CAP
+        if key in body and (body[key] is None or isinstance(body[key], int)):
+            body[key] = MAX_TOKENS_CAP if body[key] is None else min(body[key], MAX_TOKENS_CAP)
     if "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = MAX_TOKENS_CAP
     if isinstance(body.get("n"), int) and body["n"] > 2:

@@ -12,6 +12,9 @@ from tests.gateway.fakes import CHAT, MAX_MODEL_LEN, MODEL, MSG, C, make_client
 # ---- errors --------------------------------------------------------------------------------
 
 BAD_REQUESTS = [
+    (CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
     (C, {"prompt": "x", "temperature": 3}, 400, "temperature"),
     (C, {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     (C, {"prompt": "x", "top_p": 0}, 400, "top_p"),
