@@ -124,28 +124,40 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def stack(smollm2_dir, tmp_path_factory):
-    """The real services as processes: nats-server, scheduler, one CPU worker, gateway."""
+def launch_stack(smollm2_dir, tmp_path_factory):
+    """Starts a real stack on the embedded model: nats-server, scheduler, CPU worker(s) and
+    gateway as processes; `launch(name, **StackConfig overrides)`. Prints the service logs
+    when it fails to start; the caller stops it."""
     from services.launcher import Stack, StackConfig, free_port
     from shared.config import SchedulerConfig
 
-    logs = tmp_path_factory.mktemp("stack-logs")
-    s = Stack(
-        StackConfig(
-            model_dir=str(smollm2_dir),
-            served_model_name="SmolLM2-135M-Instruct",
-            port=free_port(),
-            kv_cache_gib=0.5,
-            scheduler=SchedulerConfig(max_model_len=2048),
-            log_dir=str(logs),
-        )
-    )
-    try:
-        s.start(timeout_s=300)
-    except Exception:
-        for log in sorted(logs.glob("*.log")):
-            print(f"--- {log.name}\n{log.read_text()[-3000:]}")
-        raise
+    def launch(name: str, **overrides):
+        logs = tmp_path_factory.mktemp(f"{name}-logs")
+        config = {
+            "model_dir": str(smollm2_dir),
+            "served_model_name": "SmolLM2-135M-Instruct",
+            "port": free_port(),
+            "kv_cache_gib": 0.25,
+            "scheduler": SchedulerConfig(max_model_len=2048),
+            "log_dir": str(logs),
+            **overrides,
+        }
+        s = Stack(StackConfig(**config))
+        try:
+            s.start(timeout_s=300)
+        except Exception:
+            for log in sorted(logs.glob("*.log")):
+                print(f"--- {log.name}\n{log.read_text()[-3000:]}")
+            raise
+        return s
+
+    return launch
+
+
+@pytest.fixture(scope="session")
+def stack(launch_stack):
+    """The stack most end-to-end tests share, started once per session."""
+    s = launch_stack("stack", kv_cache_gib=0.5)
     yield s
     s.stop()
 

@@ -12,9 +12,7 @@ import math
 import pytest
 from openai import OpenAI
 
-from services.launcher import Stack, StackConfig, free_port
 from services.offline import SamplingParams
-from shared.config import SchedulerConfig
 from shared.protocol import OutputBatch, TokenDelta, TokenLogprobs, encode
 from shared.tokenizer import Tokenizer
 
@@ -25,25 +23,8 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def small_payload_stack(smollm2_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("large-output-logs")
-    s = Stack(
-        StackConfig(
-            model_dir=str(smollm2_dir),
-            served_model_name=MODEL,
-            port=free_port(),
-            nats_max_payload=MAX_PAYLOAD,
-            kv_cache_gib=0.25,
-            scheduler=SchedulerConfig(max_model_len=2048),
-            log_dir=str(logs),
-        )
-    )
-    try:
-        s.start(timeout_s=300)
-    except Exception:
-        for log in sorted(logs.glob("*.log")):
-            print(f"--- {log.name}\n{log.read_text()[-3000:]}")
-        raise
+def small_payload_stack(launch_stack):
+    s = launch_stack("large-output", nats_max_payload=MAX_PAYLOAD)
     yield s
     s.stop()
 

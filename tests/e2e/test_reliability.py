@@ -10,9 +10,8 @@ import time
 import pytest
 from openai import OpenAI
 
-from services.launcher import Stack, StackConfig, free_port
+from services.launcher import Stack
 from services.offline import SamplingParams
-from shared.config import SchedulerConfig
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Tell me about the history of the bicycle."
@@ -20,18 +19,8 @@ MAX_TOKENS = 120
 
 
 @pytest.fixture(scope="module")
-def own_stack(smollm2_dir, tmp_path_factory):
-    s = Stack(
-        StackConfig(
-            model_dir=str(smollm2_dir),
-            served_model_name=MODEL,
-            port=free_port(),
-            kv_cache_gib=0.25,
-            scheduler=SchedulerConfig(max_model_len=2048),
-            log_dir=str(tmp_path_factory.mktemp("reliability-logs")),
-        )
-    )
-    s.start(timeout_s=300)
+def own_stack(launch_stack):
+    s = launch_stack("reliability")
     yield s
     s.stop()
 
