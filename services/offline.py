@@ -19,7 +19,12 @@ from services.worker.config import RunnerConfig
 from services.worker.model_runner import build_runner
 from shared.config import SchedulerConfig
 from shared.protocol import BatchPlan, ModelRunnerOutput, TokenLogprobs, decoder, encode
-from shared.sampling_params import SamplingParams, check_prompt_fits, validate_sampling_params
+from shared.sampling_params import (
+    SamplingParams,
+    check_prompt_fits,
+    check_token_ids,
+    validate_sampling_params,
+)
 from shared.tokenizer import Tokenizer
 
 __all__ = ["LLM", "CompletionOutput", "GenerationOutput", "SamplingParams"]
@@ -125,10 +130,12 @@ class LLM:
         self, prompt: str | list[int], params: SamplingParams
     ) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt whose parameters are valid and that fits the context."""
-        validate_sampling_params(params, self.runner.model_config.vocab_size)
+        vocab_size = self.runner.model_config.vocab_size
+        validate_sampling_params(params, vocab_size)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt_fits(len(token_ids), self.runner.max_model_len)
+        check_token_ids(token_ids, vocab_size, "prompt")
         return text, token_ids
 
     def _run(self):

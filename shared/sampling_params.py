@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar, overload
 
 import msgspec
 
@@ -71,8 +71,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         return msgspec.structs.replace(self, n=1, seed=seed)
 
 
-def is_greedy(temperature: float) -> bool:
-    """The one greedy rule (numpy arrays work too)."""
+T = TypeVar("T")
+
+
+@overload
+def is_greedy(temperature: float) -> bool: ...
+@overload
+def is_greedy(temperature: T) -> T: ...
+def is_greedy(temperature: Any) -> Any:
+    """The one greedy rule: a bool for a float, an elementwise mask for a numpy array or a
+    torch tensor of temperatures."""
     return temperature < GREEDY_EPS
 
 

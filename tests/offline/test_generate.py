@@ -37,9 +37,10 @@ def test_invalid_parameters_raise_before_scheduling(llm, bad, param):
     assert len(llm.generate([[5, 6, 7]], GOOD)[0].outputs[0].token_ids) == 4  # still usable
 
 
-def test_prompt_that_does_not_fit_raises_before_scheduling(llm):
+def test_bad_prompt_raises_before_scheduling(llm):  # too long, empty, out of vocab
     assert_refused(llm, [[5, 6, 7], [5] * MAX_MODEL_LEN], GOOD, "prompt")
     assert_refused(llm, [[5, 6, 7], []], GOOD, "prompt")
+    assert_refused(llm, [[5, 6, 7], [5, 10**6]], GOOD, "prompt")  # an id outside the vocab
     out = llm.generate([[5] * (MAX_MODEL_LEN - 1)], GOOD)[0].outputs[0]
     assert len(out.token_ids) == 1 and out.finish_reason == "length"  # the context is full
 
