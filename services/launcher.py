@@ -57,7 +57,6 @@ class StackConfig:
     num_workers: int = setting(1, "CPU workers to start", name="workers")
     kv_cache_gib: float = setting(RunnerConfig.kv_cache_gib, "KV cache of each worker, GiB")
     log_dir: str | None = setting(None, "", cli=False)  # None: children log to our stderr
-    extra_env: dict[str, str] = field(default_factory=dict)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     scheduler_service: SchedulerServiceConfig = field(default_factory=SchedulerServiceConfig)
 
@@ -72,11 +71,12 @@ class Stack:
         self.procs: dict[str, subprocess.Popen] = {}
         self.nats_url = config.nats_url or f"nats://127.0.0.1:{free_port()}"
         self.url = f"http://{config.host}:{config.port}"
+        self._nats_dir: tempfile.TemporaryDirectory[str] | None = None  # our nats.conf
 
     # ---- processes ---------------------------------------------------------------------
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.config.extra_env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         out = None
         if self.config.log_dir:
             Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
@@ -98,7 +98,9 @@ class Stack:
         port = self.nats_url.rsplit(":", 1)[1]
         argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", port]
         if self.config.nats_max_payload is not None:  # not a command-line flag of nats-server
-            conf = Path(tempfile.mkdtemp(prefix="skiff-nats-")) / "nats.conf"
+            if self._nats_dir is None:
+                self._nats_dir = tempfile.TemporaryDirectory(prefix="skiff-nats-")
+            conf = Path(self._nats_dir.name) / "nats.conf"
             conf.write_text(f"max_payload: {self.config.nats_max_payload}\n")
             argv += ["-c", str(conf)]
         self._spawn("nats", argv)
@@ -205,3 +207,6 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        if self._nats_dir is not None:
+            self._nats_dir.cleanup()
+            self._nats_dir = None

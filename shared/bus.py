@@ -44,7 +44,6 @@ async def connect(
     name: str,
     *,
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
-    on_disconnect: Callable[[], Awaitable[None]] | None = None,
     on_error: Callable[[Exception], Awaitable[None]] | None = None,
 ) -> Client:
     """Connect and keep reconnecting forever (also for the first connection): a NATS blip must
@@ -58,8 +57,6 @@ async def connect(
 
     async def disconnected_cb() -> None:
         log.warning("nats disconnected")
-        if on_disconnect is not None:
-            await on_disconnect()
 
     async def reconnected_cb() -> None:
         log.info("nats reconnected")

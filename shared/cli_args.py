@@ -137,11 +137,14 @@ def config_from(cls: type[C], ns: argparse.Namespace, **fixed: Any) -> C:
 
 
 def to_argv(config: Any) -> list[str]:
-    """The flags that reproduce `config` in a child process (every field with a value, so
-    that no inherited SKIFF_* variable can change it there)."""
+    """The flags for the fields of `config` that differ from their defaults. A child process
+    resolves the others itself, from the SKIFF_* variables it inherits and the same defaults,
+    so `SKIFF_LOG_LEVEL=DEBUG skiff serve` reaches every service."""
     argv: list[str] = []
     for f, kind in _cli_fields(type(config)):
         value = getattr(config, f.name)
+        if value == f.default:
+            continue
         flag = "--" + public_name(f).replace("_", "-")
         if kind is bool:
             argv.append(flag if value else "--no-" + flag[2:])

@@ -84,3 +84,7 @@ class WorkerServiceConfig:
         1.0, "seconds between worker heartbeats", name="heartbeat_interval"
     )
     log_level: str = setting(DEFAULT_LOG_LEVEL, "DEBUG, INFO, WARNING or ERROR")
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("heartbeat interval must be > 0")

@@ -12,7 +12,7 @@ import msgspec
 
 from shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: WorkerHello.max_num_seqs, BatchPlan.worker_session, typed stats
 M = TypeVar("M", bound=msgspec.Struct)
 
 
@@ -151,7 +151,6 @@ class OutputBatch(msgspec.Struct, kw_only=True):
     """Per-step deltas for the requests of one gateway, on `<prefix>.out.<gateway_id>`."""
 
     deltas: list[TokenDelta]
-    scheduler_epoch: str = ""
     version: int = PROTOCOL_VERSION
 
 

@@ -65,10 +65,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     def for_choice(self, index: int) -> SamplingParams:
         """Choice `index` of n, as its own request: n=1 and, when seeded, the seed
         `seed + index` (wrapped to stay inside int64), so choices differ but are reproducible."""
-        seed = self.seed
-        if seed is not None:
-            seed = (seed + index - INT64_MIN) % 2**64 + INT64_MIN
+        seed = None if self.seed is None else wrap_int64(self.seed + index)
         return msgspec.structs.replace(self, n=1, seed=seed)
+
+
+def wrap_int64(x: int) -> int:
+    """The int64 with the same low 64 bits as `x`."""
+    return (x - INT64_MIN) % 2**64 + INT64_MIN
 
 
 T = TypeVar("T")

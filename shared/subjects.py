@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+from shared.config import DEFAULT_SUBJECT_PREFIX
+
+# One token of a subject (a gateway id, a part of the prefix): no dots, wildcards or spaces.
+SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
+SUBJECT_PREFIX = re.compile(rf"{SUBJECT_TOKEN.pattern}(\.{SUBJECT_TOKEN.pattern})*")
 
 
 @dataclass(frozen=True)
 class Subjects:
-    prefix: str = "skiff"
+    prefix: str = DEFAULT_SUBJECT_PREFIX
 
     @property
     def submit(self) -> str:  # gateway -> scheduler, request-reply: SubmitRequest/SubmitReply

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.cli_args import setting
 from shared.config import DEFAULT_LOG_LEVEL, DEFAULT_NATS_URL, DEFAULT_SUBJECT_PREFIX
 from shared.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from shared.subjects import SUBJECT_PREFIX, SUBJECT_TOKEN
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
-_SUBJECT_TOKEN = r"[A-Za-z0-9_-]+"
 
 
 @dataclass(frozen=True)
@@ -43,9 +42,9 @@ class GatewayConfig:
             raise ValueError("timeouts must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
-        if self.gateway_id is not None and not re.fullmatch(_SUBJECT_TOKEN, self.gateway_id):
+        if self.gateway_id is not None and not SUBJECT_TOKEN.fullmatch(self.gateway_id):
             raise ValueError(f"gateway id must be letters, digits, '_' or '-': {self.gateway_id!r}")
-        if not re.fullmatch(rf"{_SUBJECT_TOKEN}(\.{_SUBJECT_TOKEN})*", self.subject_prefix):
+        if not SUBJECT_PREFIX.fullmatch(self.subject_prefix):
             raise ValueError(f"invalid NATS subject prefix: {self.subject_prefix!r}")
 
     @property

@@ -8,7 +8,6 @@ NATS (see `shared.subjects`) by composing `NatsTransport` (connection, heartbeat
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -19,12 +18,11 @@ import msgspec
 from services.gateway.inflight import InFlightRequests
 from services.gateway.nats_transport import NatsTransport
 from services.gateway.request_stream import EngineError, RequestStream
+from shared.config import DEFAULT_SUBJECT_PREFIX
 from shared.protocol import SubmitRequest
-from shared.subjects import Subjects
+from shared.subjects import SUBJECT_TOKEN, Subjects
 
 __all__ = ["EngineClient", "EngineError", "NatsEngineClient", "RequestStream"]
-
-_SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class EngineClient(Protocol):
@@ -57,15 +55,15 @@ class NatsEngineClient:
         servers: str | list[str],
         *,
         gateway_id: str | None = None,
-        subject_prefix: str = "skiff",
+        subject_prefix: str = DEFAULT_SUBJECT_PREFIX,
         submit_timeout: float = 5.0,
         heartbeat_timeout: float = 3.0,
         orphan_timeout: float = 60.0,
         resubmit_timeout: float = 60.0,
     ) -> None:
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
-        if not _SUBJECT_TOKEN.fullmatch(self.gateway_id):
-            raise ValueError(f"gateway id must match {_SUBJECT_TOKEN.pattern}: {self.gateway_id!r}")
+        if not SUBJECT_TOKEN.fullmatch(self.gateway_id):
+            raise ValueError(f"gateway id must match {SUBJECT_TOKEN.pattern}: {self.gateway_id!r}")
         self.transport = NatsTransport(
             servers,
             self.gateway_id,

@@ -26,7 +26,7 @@ def _require_utf8(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_require_utf8)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = int  # checked against the vocabulary by shared.sampling_params
 
 
 class _Body(BaseModel):

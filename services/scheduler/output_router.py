@@ -12,10 +12,9 @@ from shared.subjects import Subjects
 
 
 class OutputRouter:
-    def __init__(self, publish: Publish, subjects: Subjects, epoch: str) -> None:
+    def __init__(self, publish: Publish, subjects: Subjects) -> None:
         self._publish = publish
         self._subjects = subjects
-        self._epoch = epoch
         self.gateway_of: dict[str, str] = {}  # req_id -> gateway id
 
     def add(self, req_id: str, gateway_id: str) -> None:
@@ -45,5 +44,5 @@ class OutputRouter:
             if out.finish_reason is not None:
                 del self.gateway_of[out.req_id]
         for gateway, deltas in by_gateway.items():
-            batch = OutputBatch(deltas=deltas, scheduler_epoch=self._epoch)
+            batch = OutputBatch(deltas=deltas)
             await self._publish(self._subjects.output(gateway), batch)

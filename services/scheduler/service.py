@@ -51,7 +51,7 @@ class SchedulerService:
         self.pool = WorkerPool(scheduler_config)
         self.placement = Placement(self.pool, wake=self._wake)
         self.admission = Admission(self.pool, self.placement, config.max_waiting)
-        self.router = OutputRouter(self._publish, self.subjects, self.epoch)
+        self.router = OutputRouter(self._publish, self.subjects)
         self.liveness = Liveness(self.pool, self.placement, self._start_driver, self.metrics)
         self.telemetry = Telemetry(self.epoch, self.pool, self.placement, self.metrics)
         self.nc: Client  # set by start()

@@ -86,7 +86,8 @@ class WorkerPool:
 
     def select(self, request: Request) -> WorkerHandle:
         """The worker where `request` costs least: the full blocks of its tokens not cached
-        there plus the blocks in use there, each counted in that worker's own block size;
+        there plus the blocks in use there, counted in tokens (blocks of that worker's own
+        size times its block size), so workers with different block sizes compare fairly;
         ties go to the worker running fewer requests."""
         if not self.workers:
             raise LookupError("no worker is ready")
@@ -94,6 +95,7 @@ class WorkerPool:
 
         def cost(w: WorkerHandle) -> tuple[int, int]:
             core = w.core
-            return core.num_uncached_blocks(token_ids) + core.num_used_blocks, len(core.running)
+            blocks = core.num_uncached_blocks(token_ids) + core.num_used_blocks
+            return blocks * core.config.block_size, len(core.running)
 
         return min(self.workers.values(), key=cost)

@@ -24,7 +24,8 @@ def build_parser() -> ConfigParser:
 
 
 async def serve(argv: list[str] | None = None) -> None:
-    args, configs = build_parser().parse_configs(argv)
+    parser = build_parser()
+    args, configs = parser.parse_configs(argv)
     config: WorkerServiceConfig = configs[WorkerServiceConfig]
     setup_logging(config.log_level, "worker")
     from services.worker.model_runner import build_runner
@@ -34,7 +35,11 @@ async def serve(argv: list[str] | None = None) -> None:
         from services.worker.gguf_convert import ensure_default_model
 
         model = str(ensure_default_model())
-    runner = build_runner(config_from(RunnerConfig, args, model_dir=model))
+    try:
+        runner_config = config_from(RunnerConfig, args, model_dir=model)
+    except ValueError as exc:
+        parser.error(str(exc))
+    runner = build_runner(runner_config)
     if not config.model_name:
         name = DEFAULT_MODEL_NAME if args.model is None else model
         config = dataclasses.replace(config, model_name=name)

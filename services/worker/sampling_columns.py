@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from services.worker.token_tables import BadWordsTable, TokenMaskTable, TokenTable
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, wrap_int64
 
 
 def _array(dtype: type, off: float, read: Callable[[SamplingParams], Any]) -> Any:
@@ -38,11 +38,6 @@ def _or_minus_one(x: int | None) -> int:
     return -1 if x is None else x
 
 
-def _int64(x: int) -> int:
-    """Python int -> the int64 with the same low 64 bits (seeds are validated to fit)."""
-    return (x + 2**63) % 2**64 - 2**63
-
-
 @dataclass(frozen=True)
 class SamplingColumns:
     """Per-row sampling parameters; build with `allocate`."""
@@ -51,7 +46,7 @@ class SamplingColumns:
     top_p: np.ndarray = _array(np.float32, 1.0, lambda p: 1.0 if p.greedy else p.top_p)
     top_k: np.ndarray = _array(np.int64, 0, lambda p: 0 if p.greedy else max(p.top_k, 0))
     min_p: np.ndarray = _array(np.float32, 0.0, lambda p: 0.0 if p.greedy else p.min_p)
-    seed: np.ndarray = _array(np.int64, 0, lambda p: _int64(p.seed or 0))
+    seed: np.ndarray = _array(np.int64, 0, lambda p: wrap_int64(p.seed or 0))
     has_seed: np.ndarray = _array(np.bool_, False, lambda p: p.seed is not None)
     num_logprobs: np.ndarray = _array(np.int64, -1, lambda p: _or_minus_one(p.logprobs))
     logprobs_mode: np.ndarray = _array(np.int8, 0, lambda p: p.logprobs_mode_index)

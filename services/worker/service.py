@@ -36,7 +36,7 @@ class WorkerService:
             instance_id=self.instance_id,
             model=self.config.model_name,
             block_size=r.config.block_size,
-            num_blocks=r.config.num_blocks,
+            num_blocks=r.num_blocks,
             max_model_len=r.max_model_len,
             max_num_seqs=r.config.max_num_seqs,
             device=str(r.device),
@@ -53,7 +53,7 @@ class WorkerService:
             asyncio.create_task(self._heartbeat()),
             asyncio.create_task(self._execute_loop()),
         ]
-        log.info("worker %s up: %d KV blocks", self.config.worker_id, self.runner.config.num_blocks)
+        log.info("worker %s up: %d KV blocks", self.config.worker_id, self.runner.num_blocks)
 
     async def stop(self) -> None:
         for task in self._tasks:

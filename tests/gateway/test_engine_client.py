@@ -58,7 +58,7 @@ class ScriptedScheduler:
         self, gateway_id: str, req_id: str, tokens: list[int], finish: str | None = None
     ) -> None:
         delta = TokenDelta(req_id=req_id, new_token_ids=tokens, finish_reason=finish)
-        batch = OutputBatch(deltas=[delta], scheduler_epoch=self.epoch)
+        batch = OutputBatch(deltas=[delta])
         await self.nc.publish(self.subjects.output(gateway_id), encode(batch))
         await self.nc.flush()
 

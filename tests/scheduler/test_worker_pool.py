@@ -60,3 +60,16 @@ def test_placement_prefers_the_less_loaded_worker():
     busy.core.schedule()
     assert busy.core.num_used_blocks == 3
     assert pool.select(request("b", list(range(500, 510)))) is idle
+
+
+def test_load_of_workers_with_different_block_sizes_compares_in_tokens():
+    pool = WorkerPool(SchedulerConfig())
+    w16, _ = pool.register(make_hello("w16", block_size=16))
+    w32, _ = pool.register(make_hello("w32", block_size=32))
+    w16.core.add_request(request("a", list(range(60))))  # 4 blocks of 16: 64 tokens
+    w32.core.add_request(request("b", list(range(70))))  # 3 blocks of 32: 96 tokens
+    w16.core.schedule()
+    w32.core.schedule()
+    assert (w16.core.num_used_blocks, w32.core.num_used_blocks) == (4, 3)
+    # fewer blocks in use on w32, but more tokens: a cold request belongs on w16
+    assert pool.select(request("c", list(range(500, 510)))) is w16

@@ -67,9 +67,18 @@ def test_bad_values_are_usage_errors(monkeypatch):
     ids=lambda c: type(c).__name__,
 )
 def test_to_argv_reproduces_the_config(config, monkeypatch):
-    monkeypatch.setenv("SKIFF_MAX_NUM_SEQS", "99")  # an inherited variable must not win
-    monkeypatch.setenv("SKIFF_LOG_LEVEL", "ERROR")
+    for var in ("SKIFF_MAX_NUM_SEQS", "SKIFF_LOG_LEVEL", "SKIFF_PORT", "SKIFF_WORKER_ID"):
+        monkeypatch.delenv(var, raising=False)
     assert _parse(type(config), to_argv(config)) == config
+
+
+def test_a_child_inherits_the_variables_for_what_the_parent_left_alone(monkeypatch):
+    monkeypatch.setenv("SKIFF_LOG_LEVEL", "DEBUG")
+    monkeypatch.setenv("SKIFF_MAX_NUM_SEQS", "99")
+    config = SchedulerServiceConfig(worker_timeout_s=2.0)
+    assert to_argv(config) == ["--worker-timeout", "2.0"]
+    assert _parse(SchedulerServiceConfig, to_argv(config)).log_level == "DEBUG"
+    assert _parse(SchedulerConfig, to_argv(SchedulerConfig(max_num_seqs=7))).max_num_seqs == 7
 
 
 def test_runner_config_needs_its_model_dir():

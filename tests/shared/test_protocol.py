@@ -101,7 +101,6 @@ MESSAGES = [
                 prompt_logprobs=[None, LP],
             )
         ],
-        scheduler_epoch="e",
     ),
     SchedulerHeartbeat(
         epoch="e",
