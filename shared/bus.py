@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, cast
+from typing import TypeVar
 
 import msgspec
 import nats
@@ -24,7 +24,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from shared.protocol import PROTOCOL_VERSION, encode
+from shared.protocol import PROTOCOL_VERSION, decoder, encode
 
 log = logging.getLogger("skiff.bus")
 
@@ -103,14 +103,14 @@ async def subscribe(
 ) -> Subscription:
     """Subscribe; `handler` sees whole, decoded messages of the current protocol version."""
     reassembler = Reassembler()
-    decoder = _decoder(msg_type)
+    typed = decoder(msg_type)
 
     async def on_msg(msg: Msg) -> None:
         payload = reassembler.feed(msg)
         if payload is None:
             return
         try:
-            message = _decode(decoder, payload)
+            message = _decode(typed, payload)
         except msgspec.DecodeError as e:
             log.warning("dropping a %s on %s: %s", msg_type.__name__, subject, e)
             return
@@ -125,7 +125,7 @@ async def request(
     """Send a request and decode its reply. NATS errors (`NoRespondersError`, `TimeoutError`)
     propagate; a malformed or wrong-version reply raises `msgspec.DecodeError`."""
     reply = await nc.request(subject, encode(msg), timeout=timeout)
-    return _decode(_decoder(reply_type), reply.data)
+    return _decode(decoder(reply_type), reply.data)
 
 
 async def serve(
@@ -138,11 +138,11 @@ async def serve(
 ) -> Subscription:
     """Answer requests with `handler`'s reply. A malformed or wrong-version request is answered
     with `on_malformed(error text)` if given, else dropped with a warning."""
-    decoder = _decoder(msg_type)
+    typed = decoder(msg_type)
 
     async def on_msg(msg: Msg) -> None:
         try:
-            message = _decode(decoder, msg.data)
+            message = _decode(typed, msg.data)
         except msgspec.DecodeError as e:
             if on_malformed is None:
                 log.warning("dropping a %s on %s: %s", msg_type.__name__, subject, e)
@@ -189,18 +189,8 @@ class Reassembler:
         return b"".join(self._parts.pop(msg_id))
 
 
-_decoders: dict[type[Any], msgspec.msgpack.Decoder[Any]] = {}
-
-
-def _decoder(msg_type: type[M]) -> msgspec.msgpack.Decoder[M]:
-    """One reusable typed decoder per message class."""
-    if msg_type not in _decoders:
-        _decoders[msg_type] = msgspec.msgpack.Decoder(msg_type)
-    return cast("msgspec.msgpack.Decoder[M]", _decoders[msg_type])
-
-
-def _decode(decoder: msgspec.msgpack.Decoder[M], payload: bytes) -> M:
-    message = decoder.decode(payload)
+def _decode(typed: msgspec.msgpack.Decoder[M], payload: bytes) -> M:
+    message = typed.decode(payload)
     version = getattr(message, "version", None)
     if version != PROTOCOL_VERSION:
         raise IncompatibleVersionError(f"protocol version {version}, expected {PROTOCOL_VERSION}")

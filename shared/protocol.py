@@ -6,7 +6,7 @@ message from an incompatible peer instead of misreading it. No pickle anywhere.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -95,9 +95,14 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+_decoders: dict[type[Any], msgspec.msgpack.Decoder[Any]] = {}
+
+
 def decoder(cls: type[M]) -> msgspec.msgpack.Decoder[M]:
-    """A reusable typed decoder for one message class."""
-    return msgspec.msgpack.Decoder(cls)
+    """The typed decoder of one message class, made once and reused."""
+    if cls not in _decoders:
+        _decoders[cls] = msgspec.msgpack.Decoder(cls)
+    return cast("msgspec.msgpack.Decoder[M]", _decoders[cls])
 
 
 # ---- gateway <-> scheduler ----------------------------------------------------------------
