@@ -9,12 +9,15 @@ print(out[0].outputs[0].text)
 from __future__ import annotations
 
 import itertools
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from services.scheduler.request import Request
-from services.scheduler.scheduler import RequestOutput, Scheduler
+from services.scheduler.scheduler import RequestOutput, Scheduler, plan_has_work
 from services.worker.config import RunnerConfig
 from services.worker.model_runner import build_runner
 from shared.config import SchedulerConfig
@@ -91,6 +94,7 @@ class LLM:
         self._plan_decoder = decoder(BatchPlan)
         self._output_decoder = decoder(ModelRunnerOutput)
         self._ids = itertools.count()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
 
     def generate(
         self,
@@ -138,17 +142,28 @@ class LLM:
         check_token_ids(token_ids, vocab_size, "prompt")
         return text, token_ids
 
-    def _run(self):
-        while self.scheduler.has_unfinished():
-            plan = self.scheduler.schedule()
-            if not plan.num_scheduled_tokens:
+    def _run(self) -> Iterator[RequestOutput]:
+        """Step until every request finished, with the scheduler's plans in flight (two with
+        async scheduling: the next plan is built while the runner's thread runs a step)."""
+        sched = self.scheduler
+        in_flight: deque[Future[ModelRunnerOutput]] = deque()
+        while sched.has_unfinished() or in_flight:
+            while len(in_flight) < sched.max_plans_in_flight and sched.has_unfinished():
+                plan = sched.schedule()
+                if not plan_has_work(plan):
+                    break
+                in_flight.append(self._executor.submit(self._execute, plan))
+            if not in_flight:
                 raise RuntimeError("scheduler made no progress (KV cache too small?)")
-            if self.serialize_messages:
-                plan = self._plan_decoder.decode(encode(plan))
-            output = self.runner.execute(plan)
-            if self.serialize_messages:
-                output = self._output_decoder.decode(encode(output))
-            yield from self.scheduler.update(output)
+            yield from sched.update(in_flight.popleft().result())
+
+    def _execute(self, plan: BatchPlan) -> ModelRunnerOutput:
+        if self.serialize_messages:
+            plan = self._plan_decoder.decode(encode(plan))
+        output = self.runner.execute(plan)
+        if self.serialize_messages:
+            output = self._output_decoder.decode(encode(output))
+        return output
 
     @staticmethod
     def _accumulate(gen: GenerationOutput, index: int, out: RequestOutput) -> None:

@@ -37,6 +37,9 @@ class SchedulerConfig:
     # Set per worker from its WorkerHello; not a scheduler flag.
     block_size: int = setting(DEFAULT_BLOCK_SIZE, "tokens per KV block", cli=False)
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
+    async_scheduling: bool = setting(
+        True, "plan step N+1 while step N runs: up to two plans in flight per worker"
+    )
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")

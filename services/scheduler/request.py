@@ -41,6 +41,8 @@ class Request:
         self.arrival_time = time.monotonic()
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens sampled by plans still in flight: scheduled as if known, appended on arrival.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
@@ -51,6 +53,10 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -59,8 +65,10 @@ class Request:
         return len(self.output_token_ids)
 
     def append_output_token(self, token_id: int) -> None:
+        """Append a sampled token; it fills a placeholder if one is outstanding."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.num_output_placeholders = max(self.num_output_placeholders - 1, 0)
 
     def __repr__(self) -> str:
         progress = f"{self.num_computed_tokens}/{self.num_tokens}"

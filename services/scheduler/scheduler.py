@@ -4,6 +4,10 @@ Each step every request gets tokens so that its computed tokens catch up with it
 tokens, within the token budget and the sequence limit; long prompts are thereby chunked.
 Running requests go first; waiting ones are admitted only if nothing was preempted this step.
 When blocks run out the most recently admitted running request is preempted (recompute).
+
+Async scheduling: a request that samples in a step gets an output placeholder, so the next
+plan can be built before the step's result arrives (the worker feeds in its own sampled
+token); `update` fills placeholders with the real tokens and runs the stop checks.
 """
 
 from __future__ import annotations
@@ -77,6 +81,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def max_plans_in_flight(self) -> int:
+        """Plans that may await their results at once: two with async scheduling (the
+        placeholders look one step ahead), else one."""
+        return 2 if self.config.async_scheduling else 1
+
     # ---- queries -----------------------------------------------------------------------
 
     @property
@@ -117,11 +127,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(
-                request.num_tokens - request.num_computed_tokens,
-                budget,
-                self.max_model_len - 1 - request.num_computed_tokens,
-            )
+            num_new = min(self._num_runnable_tokens(request), budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -143,7 +149,10 @@ class Scheduler:
             budget = self._admit_waiting(budget, num_scheduled, new_reqs, cached_reqs)
 
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens >= request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1  # it samples; the token comes with the result
         plan = BatchPlan(
             step_id=self.step_id,
             new_reqs=new_reqs,
@@ -156,6 +165,18 @@ class Scheduler:
         self.finished_req_ids = []
         self.step_id += 1
         return plan
+
+    def _num_runnable_tokens(self, request: Request) -> int:
+        """Tokens a running request can compute now: those known or sampled by a plan in
+        flight, and not computed yet; none once its tokens in flight reach max_tokens."""
+        max_tokens = request.sampling_params.max_tokens
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        if max_tokens is not None and num_outputs >= max_tokens:
+            return 0
+        return min(
+            request.num_tokens_with_placeholders - request.num_computed_tokens,
+            self.max_model_len - 1 - request.num_computed_tokens,
+        )
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, preempted: list[Request]
@@ -202,7 +223,7 @@ class Scheduler:
                     NewRequestData(
                         req_id=request.req_id,
                         prompt_token_ids=request.prompt_token_ids,
-                        output_token_ids=request.output_token_ids,
+                        output_token_ids=list(request.output_token_ids),  # a snapshot
                         sampling_params=request.sampling_params,
                         block_ids=new_block_ids,
                         num_computed_tokens=num_hit_tokens,
@@ -218,6 +239,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token still in flight is appended on arrival
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -225,14 +247,18 @@ class Scheduler:
     # ---- results -----------------------------------------------------------------------
 
     def update(self, output: ModelRunnerOutput) -> list[RequestOutput]:
-        """Append sampled tokens, run stop checks, free finished requests."""
+        """Append sampled tokens, run stop checks, free finished requests.
+
+        A request that finished (or was aborted) after this step was planned is gone: its
+        token from this step is dropped. One preempted after it was planned keeps its token.
+        """
         outputs: list[RequestOutput] = []
         for i, req_id in enumerate(output.req_ids):
             request = self.requests.get(req_id)
             token_ids = output.sampled_token_ids[i]
             prompt_logprobs = output.prompt_logprobs.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+            if request is None:
+                continue  # finished or aborted while the step ran
             if not token_ids and prompt_logprobs is None:
                 continue
             new_token_ids: list[int] = []
@@ -285,3 +311,8 @@ class Scheduler:
         request.finish_reason = reason
         self.kv.forget(request)
         del self.requests[request.req_id]
+
+
+def plan_has_work(plan: BatchPlan) -> bool:
+    """Whether a plan must reach the worker: tokens to run or request state to drop."""
+    return bool(plan.num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids)

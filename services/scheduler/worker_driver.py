@@ -1,24 +1,34 @@
 """The step loop of one worker: plan -> result -> update -> next plan, for as long as its
-scheduling core lives. A driver owns the loop's task, the step in flight and the wakeup that
-ends its idle waits."""
+scheduling core lives. With async scheduling the loop keeps two plans in flight, so the worker
+finds step N+1 queued when step N ends and never waits for the scheduler between steps. A driver
+owns the loop's task, the steps in flight and the wakeup that ends its idle waits."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import msgspec
 
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.scheduler import RequestOutput
+from services.scheduler.scheduler import RequestOutput, plan_has_work
 from services.scheduler.worker_pool import WorkerHandle
-from shared.protocol import BatchPlan, ModelRunnerOutput
+from shared.protocol import ModelRunnerOutput
 
 log = logging.getLogger("skiff.scheduler")
 
 Publish = Callable[[str, msgspec.Struct], Awaitable[int]]  # returns the encoded size
+
+
+@dataclass
+class StepInFlight:
+    step_id: int
+    published_at: float  # perf_counter() after the plan was handed to NATS
+    result: asyncio.Future[ModelRunnerOutput]
 
 
 class WorkerDriver:
@@ -46,66 +56,75 @@ class WorkerDriver:
         self._metrics = metrics
         self._on_outputs = on_outputs
         self._on_stall = on_stall
+        self._max_in_flight = worker.core.max_plans_in_flight
         self._wakeup = asyncio.Event()
-        self._pending: tuple[int, asyncio.Future[ModelRunnerOutput]] | None = None
+        self._in_flight: deque[StepInFlight] = deque()  # oldest first
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
     def stop(self) -> None:
-        """Stop driving; a result still on its way is ignored."""
+        """Stop driving; results still on their way are ignored."""
         if self._task is not None:
             self._task.cancel()
             self._task = None
-        if self._pending is not None:
-            self._pending[1].cancel()
-            self._pending = None
+        for step in self._in_flight:
+            step.result.cancel()
+        self._in_flight.clear()
 
     def wake(self) -> None:
         """New work (or an abort to pass on) for an idle loop."""
         self._wakeup.set()
 
     def on_result(self, output: ModelRunnerOutput) -> None:
-        """Hand the worker's result to the loop if it answers the step in flight."""
-        if self._pending is None or self._pending[0] != output.step_id:
-            return
-        future = self._pending[1]
-        self._pending = None
-        if not future.done():
-            future.set_result(output)
+        """Hand the worker's result to the loop if it answers a step in flight."""
+        for step in self._in_flight:
+            if step.step_id == output.step_id and not step.result.done():
+                step.result.set_result(output)
+                return
 
     async def _run(self) -> None:
         core = self.worker.core
         while True:
-            if not core.has_unfinished() and not core.finished_req_ids:
-                await self._idle()
-            t0 = time.perf_counter()
-            plan = core.schedule()
-            plan.worker_session = self._session
-            if not _has_work(plan):
+            schedule_s = await self._fill()
+            if not self._in_flight:
                 await self._idle()
                 continue
+            step = self._in_flight[0]
+            try:
+                output = await asyncio.wait_for(step.result, self._step_timeout_s)
+            except TimeoutError:
+                self._stall(step.step_id)
+                return
+            self._in_flight.popleft()
+            wid = self.worker.worker_id
+            self._metrics.step_seconds.labels(wid).observe(time.perf_counter() - step.published_at)
+            self._metrics.execute_seconds.labels(wid).observe(output.execute_s)
+            t0 = time.perf_counter()
+            outputs = core.update(output)
+            await self._on_outputs(outputs)
+            self._metrics.schedule_seconds.observe(schedule_s + time.perf_counter() - t0)
+
+    async def _fill(self) -> float:
+        """Plan and publish until the steps in flight are at their limit or there is nothing
+        to do; returns the time spent in `schedule()`."""
+        core, loop, spent = self.worker.core, asyncio.get_running_loop(), 0.0
+        while len(self._in_flight) < self._max_in_flight:
+            t0 = time.perf_counter()
+            plan = core.schedule()
+            spent += time.perf_counter() - t0
+            if not plan_has_work(plan):
+                break
+            plan.worker_session = self._session
             now = time.monotonic()
             for new in plan.new_reqs:  # first admission (or arrival on this worker)
                 self._metrics.queue_time.observe(now - core.requests[new.req_id].arrival_time)
-            future = asyncio.get_running_loop().create_future()
-            self._pending = (plan.step_id, future)
-            t_sched = time.perf_counter() - t0
+            step = StepInFlight(plan.step_id, time.perf_counter(), loop.create_future())
+            self._in_flight.append(step)  # before the await: the result may beat it back
             self._metrics.plan_bytes.observe(await self._publish(self._plan_subject, plan))
-            t1 = time.perf_counter()
-            try:
-                output = await asyncio.wait_for(future, self._step_timeout_s)
-            except TimeoutError:
-                self._stall(plan.step_id)
-                return
-            wid = self.worker.worker_id
-            self._metrics.step_seconds.labels(wid).observe(time.perf_counter() - t1)
-            self._metrics.execute_seconds.labels(wid).observe(output.execute_s)
-            t2 = time.perf_counter()
-            outputs = core.update(output)
-            await self._on_outputs(outputs)
-            self._metrics.schedule_seconds.observe(t_sched + time.perf_counter() - t2)
+            step.published_at = time.perf_counter()
+        return spent
 
     async def _idle(self) -> None:
         self._wakeup.clear()
@@ -114,9 +133,5 @@ class WorkerDriver:
     def _stall(self, step_id: int) -> None:
         log.error("worker %s: no result for step %d; resetting it", self.worker.worker_id, step_id)
         self._task = None  # the loop ends here, so stop() must not cancel it
-        self._pending = None
+        self._in_flight.clear()
         self._on_stall(self.worker)
-
-
-def _has_work(plan: BatchPlan) -> bool:
-    return bool(plan.num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.protocol import WorkerHello, encode
+from shared.protocol import BatchPlan, ModelRunnerOutput, WorkerHello, encode
 
 
 def make_hello(
@@ -40,3 +40,57 @@ class FakePublisher:
     async def __call__(self, subject: str, msg: msgspec.Struct) -> int:
         self.sent.append((subject, msg))
         return len(encode(msg))
+
+
+class FakeWorker:
+    """A worker that executes plans exactly as the real runner keeps state (persistent
+    requests, its own sampled tokens fed into the next step) and samples a deterministic
+    function of each request's context, so that any two correct schedules agree token for
+    token. Every `eos_every`-th context value samples `eos`."""
+
+    def __init__(self, vocab_size: int = 1000, eos: int = 2, eos_every: int = 0) -> None:
+        self.vocab_size, self.eos, self.eos_every = vocab_size, eos, eos_every
+        self.tokens: dict[str, list[int]] = {}  # req_id -> prompt + output tokens
+        self.computed: dict[str, int] = {}
+        self.min_tokens: dict[str, tuple[int, int]] = {}  # req_id -> (prompt len, min_tokens)
+        self.running: set[str] = set()
+
+    def execute(self, plan: BatchPlan) -> ModelRunnerOutput:
+        for req_id in plan.finished_req_ids:
+            self.tokens.pop(req_id, None)
+            self.running.discard(req_id)
+        self.running.difference_update(plan.preempted_req_ids)
+        for new in plan.new_reqs:
+            self.tokens[new.req_id] = [*new.prompt_token_ids, *new.output_token_ids]
+            self.min_tokens[new.req_id] = (
+                len(new.prompt_token_ids),
+                new.sampling_params.min_tokens,
+            )
+            self.computed[new.req_id] = new.num_computed_tokens
+            self.running.add(new.req_id)
+        for cached in plan.cached_reqs:
+            assert cached.resumed or cached.req_id in self.running, cached
+            self.computed[cached.req_id] = cached.num_computed_tokens
+            self.running.add(cached.req_id)
+        req_ids, sampled = [], []
+        for req_id, n in plan.num_scheduled_tokens.items():
+            tokens = self.tokens[req_id]
+            assert self.computed[req_id] + n <= len(tokens), "scheduled past the known tokens"
+            self.computed[req_id] += n
+            req_ids.append(req_id)
+            if self.computed[req_id] < len(tokens):
+                sampled.append([])
+                continue
+            token = self._sample(req_id, tokens)
+            tokens.append(token)
+            sampled.append([token])
+        return ModelRunnerOutput(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=sampled)
+
+    def _sample(self, req_id: str, tokens: list[int]) -> int:
+        value = sum((i + 1) * t for i, t in enumerate(tokens)) % 9973
+        num_prompt, min_tokens = self.min_tokens[req_id]
+        allow_eos = len(tokens) - num_prompt >= min_tokens
+        if self.eos_every and value % self.eos_every == 0 and allow_eos:
+            return self.eos
+        token = value % self.vocab_size
+        return token if token != self.eos else token + 1

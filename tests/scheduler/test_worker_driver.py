@@ -16,8 +16,9 @@ from tests.scheduler.fakes import FakePublisher, make_hello
 
 
 class Harness:
-    def __init__(self, step_timeout_s: float = 30.0) -> None:
-        self.worker, _ = WorkerPool(SchedulerConfig()).register(make_hello())
+    def __init__(self, step_timeout_s: float = 30.0, async_scheduling: bool = False) -> None:
+        config = SchedulerConfig(async_scheduling=async_scheduling)
+        self.worker, _ = WorkerPool(config).register(make_hello())
         self.publisher = FakePublisher()
         self.outputs: list[RequestOutput] = []
         self.stalled: list[WorkerHandle] = []
@@ -51,7 +52,10 @@ class Harness:
 def result(plan: BatchPlan, token: int = 9) -> ModelRunnerOutput:
     req_ids = list(plan.num_scheduled_tokens)
     return ModelRunnerOutput(
-        step_id=plan.step_id, worker_id="w0", req_ids=req_ids, sampled_token_ids=[[token]]
+        step_id=plan.step_id,
+        worker_id="w0",
+        req_ids=req_ids,
+        sampled_token_ids=[[token] for _ in req_ids],
     )
 
 
@@ -95,3 +99,40 @@ def test_a_lost_result_stalls_the_worker_once():
 
     h = asyncio.run(run())
     assert h.stalled == [h.worker] and h.outputs == [] and len(h.publisher.sent) == 1
+
+
+def test_async_keeps_two_plans_in_flight_and_drops_tokens_past_a_stop():
+    async def run() -> Harness:
+        h = Harness(async_scheduling=True)
+        h.driver.start()
+        h.add("a", max_tokens=10)
+        first, second = await h.next_plan(1), await h.next_plan(2)  # no result yet
+        assert second.num_scheduled_tokens == {"a": 1}
+        await asyncio.sleep(0.01)
+        assert len(h.publisher.sent) == 2  # never a third before the first result
+        h.driver.on_result(result(first, token=2))  # EOS: "a" stops while second runs
+        third = await h.next_plan(3)
+        assert third.finished_req_ids == ["a"] and not third.num_scheduled_tokens
+        h.driver.on_result(result(second, token=4))  # the extra token: dropped
+        h.driver.on_result(result(third))
+        await asyncio.sleep(0.01)
+        h.driver.stop()
+        return h
+
+    h = asyncio.run(run())
+    assert [(o.new_token_ids, o.finish_reason) for o in h.outputs] == [([2], FinishReason.STOP)]
+    assert len(h.publisher.sent) == 3 and h.stalled == []
+
+
+def test_async_a_lost_result_stalls_with_a_plan_behind_it():
+    async def run() -> Harness:
+        h = Harness(step_timeout_s=0.05, async_scheduling=True)
+        h.driver.start()
+        h.add("a", max_tokens=4)
+        await h.next_plan(2)
+        await asyncio.sleep(0.2)
+        h.driver.stop()
+        return h
+
+    h = asyncio.run(run())
+    assert h.stalled == [h.worker] and h.outputs == [] and len(h.publisher.sent) == 2
