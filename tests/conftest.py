@@ -163,6 +163,18 @@ def stack(launch_stack):
 
 
 @pytest.fixture(scope="session")
+def sync_stack(launch_stack):
+    """A stack with async scheduling off (one plan in flight per worker): the reference for
+    the default mode, shared by the tests that compare the two."""
+    from shared.config import SchedulerConfig
+
+    config = SchedulerConfig(max_model_len=2048, async_scheduling=False)
+    s = launch_stack("sync-stack", kv_cache_gib=0.5, scheduler=config)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def openai_client(stack):
     from openai import OpenAI
 

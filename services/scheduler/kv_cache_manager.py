@@ -100,8 +100,13 @@ class KVCacheManager:
         `computed_blocks` are prefix-cache hits for a request being admitted. Returns the ids of
         blocks newly added to the request (hits included), or None if the pool is too small.
         """
-        computed_blocks = computed_blocks or []
         blocks = self.req_blocks.setdefault(request.req_id, [])
+        if not computed_blocks:  # the common decode step: room left in the last block
+            total_tokens = request.num_computed_tokens + num_new_tokens
+            if total_tokens <= len(blocks) * self.block_size:
+                self._cache_full_blocks(request, blocks, total_tokens)
+                return []
+        computed_blocks = computed_blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
         num_needed = -(-total_tokens // self.block_size) - len(blocks) - len(computed_blocks)
@@ -115,11 +120,9 @@ class KVCacheManager:
         return [b.block_id for b in new_blocks]
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
-        if not self.pool.enable_caching:
-            return
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_tokens, len(request.all_token_ids)) // self.block_size
         start = self.num_cached_blocks.get(request.req_id, 0)
-        if num_full <= start:
+        if num_full <= start or not self.pool.enable_caching:
             return
         hashes = self.block_hashes(request)
         for i in range(start, num_full):

@@ -253,12 +253,14 @@ class Scheduler:
         token from this step is dropped. One preempted after it was planned keeps its token.
         """
         outputs: list[RequestOutput] = []
+        requests, logprobs = self.requests, output.logprobs
+        prompt_logprobs_of = output.prompt_logprobs
         for i, req_id in enumerate(output.req_ids):
-            request = self.requests.get(req_id)
-            token_ids = output.sampled_token_ids[i]
-            prompt_logprobs = output.prompt_logprobs.get(req_id)
+            request = requests.get(req_id)
             if request is None:
                 continue  # finished or aborted while the step ran
+            token_ids = output.sampled_token_ids[i]
+            prompt_logprobs = prompt_logprobs_of.get(req_id) if prompt_logprobs_of else None
             if not token_ids and prompt_logprobs is None:
                 continue
             new_token_ids: list[int] = []
@@ -269,32 +271,32 @@ class Scheduler:
                     break
             outputs.append(
                 RequestOutput(
-                    req_id=req_id,
-                    new_token_ids=new_token_ids,
-                    finish_reason=request.finish_reason,
-                    stop_token_id=request.stop_token_id,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    logprobs=[output.logprobs[i]] if output.logprobs else [],
-                    prompt_logprobs=prompt_logprobs,
+                    req_id,
+                    new_token_ids,
+                    request.finish_reason,
+                    request.stop_token_id,
+                    max(request.num_cached_tokens, 0),
+                    [logprobs[i]] if logprobs else [],
+                    prompt_logprobs,
                 )
             )
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_outputs = len(request.output_token_ids)
+        if num_outputs >= params.min_tokens:
             if token_id in self.eos_token_ids and not params.ignore_eos:
                 self._finish(request, FinishReason.STOP)
                 return True
-            if token_id in params.stop_token_ids:
+            if params.stop_token_ids and token_id in params.stop_token_ids:
                 request.stop_token_id = token_id
                 self._finish(request, FinishReason.STOP)
                 return True
         max_tokens = params.max_tokens
-        if max_tokens is not None and request.num_output_tokens >= max_tokens:
-            self._finish(request, FinishReason.LENGTH)
-            return True
-        if request.num_tokens >= self.max_model_len:
+        if (max_tokens is not None and num_outputs >= max_tokens) or len(
+            request.all_token_ids
+        ) >= self.max_model_len:
             self._finish(request, FinishReason.LENGTH)
             return True
         return False

@@ -166,8 +166,7 @@ class SchedulerService:
         for out in outputs:
             if out.finish_reason is not None:
                 self.placement.finish(out.req_id)
-        await self.router.publish(outputs)
-        self.telemetry.refresh_gauges()
+        await self.router.publish(outputs)  # gauges follow on the monitor's tick, not per step
 
     def _on_stall(self, worker: WorkerHandle) -> None:
         self.liveness.adopt(worker.hello, fresh=True)

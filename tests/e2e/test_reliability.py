@@ -1,5 +1,6 @@
 """Failures a client must not notice: the scheduler restarts, NATS restarts. The client's
-stream goes on and ends with exactly the tokens an undisturbed run gives."""
+stream goes on and ends with exactly the tokens an undisturbed run gives, with async scheduling
+on and off."""
 
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ PROMPT = "Tell me about the history of the bicycle."
 MAX_TOKENS = 120
 
 
-@pytest.fixture(scope="module")
-def own_stack(launch_stack):
+@pytest.fixture(scope="module", params=["async", "sync"])
+def own_stack(request, launch_stack):
+    """Async scheduling (the default) on a stack of its own; sync on the shared sync stack."""
+    if request.param == "sync":
+        yield request.getfixturevalue("sync_stack")
+        return
     s = launch_stack("reliability")
     yield s
     s.stop()

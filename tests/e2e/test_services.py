@@ -11,7 +11,7 @@ import pytest
 from bench.workload import token_prompts
 from services.launcher import Stack, StackConfig
 from shared import bus
-from shared.config import SchedulerServiceConfig
+from shared.config import SchedulerConfig, SchedulerServiceConfig
 from shared.protocol import (
     OutputBatch,
     SamplingParams,
@@ -26,13 +26,14 @@ from shared.tokenizer import Tokenizer
 NEW_TOKENS = 40
 
 
-@pytest.fixture(scope="module")
-def two_worker_stack(smollm2_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
+def two_worker_stack(request, smollm2_dir, tmp_path_factory):
     stack = Stack(
         StackConfig(
             model_dir=str(smollm2_dir),
             served_model_name="smol",
             num_workers=2,
+            scheduler=SchedulerConfig(async_scheduling=request.param),
             scheduler_service=SchedulerServiceConfig(worker_timeout_s=2.0),
             kv_cache_gib=0.25,
             log_dir=str(tmp_path_factory.mktemp("logs")),
