@@ -1,5 +1,6 @@
-"""The model runner's configuration: one frozen dataclass, torch-free so that `skiff serve`
-and the flags of `skiff worker` can derive from it without loading torch."""
+"""The model runner's configuration (and a simulated worker's): frozen dataclasses, torch-free
+so that `skiff serve` and the flags of `skiff worker` can derive from them without loading
+torch."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from shared.cli_args import setting
 from shared.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 
 DTYPES = ("float32", "float16", "bfloat16")
+SIM_DEVICE = "sim"  # RunnerConfig.device of a simulated worker (services/worker/sim_runner.py)
 
 
 @dataclass(frozen=True)
@@ -17,13 +19,15 @@ class RunnerConfig:
 
     model_dir: str  # HF-format checkpoint directory (flag --model)
     kv_cache_gib: float = setting(1.0, "KV cache budget, GiB (when num_blocks is not given)")
-    num_blocks: int | None = setting(None, "KV blocks (default: sized from kv_cache_gib)")
+    num_blocks: int | None = setting(
+        None, f"KV blocks (default: sized from kv_cache_gib; {SIM_DEVICE}: an H200's, 8B model)"
+    )
     block_size: int = setting(DEFAULT_BLOCK_SIZE, "tokens per KV block")
     max_num_seqs: int = setting(DEFAULT_MAX_NUM_SEQS, "rows of the persistent batch")
     max_model_len: int = setting(
         DEFAULT_MAX_MODEL_LEN, "context length cap (also capped by the model's)"
     )
-    device: str = setting("cpu", "torch device: cpu, cuda, cuda:N")
+    device: str = setting("cpu", f"torch device: cpu, cuda, cuda:N; {SIM_DEVICE}: simulated")
     dtype: str = setting("float32", f"weights and KV cache: {', '.join(DTYPES)}")
     cuda_graphs: bool = setting(True, "decode steps replay captured graphs (CUDA only)")
 
@@ -37,3 +41,34 @@ class RunnerConfig:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A simulated worker (`--device sim`): no model, tokens from a hash. A step holds the
+    simulated device for step_base + per_token * scheduled tokens + per_req * requests; the
+    defaults model an 8B model in bf16 on one H200."""
+
+    # A small decode batch is memory-bound: ~16 GB of bf16 weights at ~4.8 TB/s is ~3.4 ms,
+    # plus ~1.5 ms of kernel launches, sampling and host work.
+    step_base_ms: float = setting(5.0, "simulated step: fixed time, ms", name="sim_step_base_ms")
+    # A token costs ~16 GFLOP (2 x 8B parameters): ~25 us at ~650 TFLOP/s of effective bf16
+    # throughput; this term dominates prefill chunks.
+    per_token_us: float = setting(
+        25.0, "simulated step: time per scheduled token, us", name="sim_per_token_us"
+    )
+    # Attention reads each request's KV: ~750 tokens of context at 128 KiB each (~94 MiB) at
+    # ~4.8 TB/s is ~20 us. With the terms above a 256-request decode step takes ~16.5 ms.
+    per_req_us: float = setting(
+        20.0, "simulated step: time per scheduled request, us", name="sim_per_req_us"
+    )
+    eos_rate: float = setting(
+        0.0, "chance that a sampled token is EOS (never before min_tokens)", name="sim_eos_rate"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("step_base_ms", "per_token_us", "per_req_us"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"sim_{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.eos_rate <= 1.0:
+            raise ValueError(f"sim_eos_rate must be in [0, 1], got {self.eos_rate}")

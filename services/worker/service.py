@@ -6,26 +6,56 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from services.worker.model_runner import ModelRunner
+from nats.aio.client import Client
+
+from services.worker.config import RunnerConfig
 from shared import bus
 from shared.config import WorkerServiceConfig
-from shared.protocol import BatchPlan, WorkerHello
+from shared.protocol import BatchPlan, ModelRunnerOutput, WorkerHello
 from shared.subjects import Subjects
 
 log = logging.getLogger("skiff.worker")
+T = TypeVar("T")
+
+
+class Runner(Protocol):
+    """What the service uses of a runner (ModelRunner, SimRunner)."""
+
+    config: RunnerConfig
+    num_blocks: int
+    max_model_len: int
+    device: Any
+    model_config: Any  # vocab_size, eos_token_ids
+
+    def execute(self, plan: BatchPlan) -> ModelRunnerOutput: ...
+
+    def reset(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncRunner(Protocol):
+    """A runner whose steps are coroutines on the event loop (SimRunner): cheap to compute,
+    they wait out their device time without a thread of their own."""
+
+    async def step(self, plan: BatchPlan) -> ModelRunnerOutput: ...
 
 
 class WorkerService:
-    def __init__(self, config: WorkerServiceConfig, runner: ModelRunner) -> None:
+    def __init__(self, config: WorkerServiceConfig, runner: Runner) -> None:
         self.config = config
         self.runner = runner
         self.subjects = Subjects(config.subject_prefix)
         self.instance_id = uuid.uuid4().hex
         self.worker_session = ""
-        # One thread: plans run strictly in arrival order, heartbeats go on meanwhile.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
+        # A blocking runner gets one thread: plans run strictly in arrival order, heartbeats go
+        # on meanwhile. An AsyncRunner runs on the loop (and its plans in order all the same).
+        self.executor: ThreadPoolExecutor | None = None
+        if not isinstance(runner, AsyncRunner):
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
         self._plans: asyncio.Queue[BatchPlan] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
@@ -44,8 +74,12 @@ class WorkerService:
             eos_token_ids=list(mc.eos_token_ids),
         )
 
-    async def start(self) -> None:
-        self.nc = await bus.connect(self.config.nats_url, f"skiff-{self.config.worker_id}")
+    async def start(self, nc: Client | None = None) -> None:
+        """Connect, or use `nc` (shared by simulated workers; then the caller drains it)."""
+        self._owns_nc = nc is None
+        if nc is None:
+            nc = await bus.connect(self.config.nats_url, f"skiff-{self.config.worker_id}")
+        self.nc = nc
         plan_subject = self.subjects.plan(self.config.worker_id)
         await bus.subscribe(self.nc, plan_subject, BatchPlan, self._plans.put)
         await bus.publish(self.nc, self.subjects.worker_hello, self.hello())
@@ -58,26 +92,38 @@ class WorkerService:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await self.nc.drain()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self._owns_nc:
+            await self.nc.drain()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the runner's thread, or on the loop for an AsyncRunner."""
+        if self.executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _execute(self, plan: BatchPlan) -> ModelRunnerOutput:
+        if isinstance(self.runner, AsyncRunner):
+            return await self.runner.step(plan)
+        return await self._call(self.runner.execute, plan)
 
     async def _execute_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             plan = await self._plans.get()
             if plan.worker_session != self.worker_session:
                 if self.worker_session:
                     log.warning("new scheduler epoch: dropping all request state")
                 self.worker_session = plan.worker_session
-                await loop.run_in_executor(self.executor, self.runner.reset)
+                await self._call(self.runner.reset)
             start = time.perf_counter()
             try:
-                output = await loop.run_in_executor(self.executor, self.runner.execute, plan)
+                output = await self._execute(plan)
             except Exception:
                 # Come back as a new instance: the scheduler re-places our requests elsewhere
                 # (or here, from scratch) instead of waiting for a result that never comes.
                 log.exception("step %d failed; dropping all request state", plan.step_id)
-                await loop.run_in_executor(self.executor, self.runner.reset)
+                await self._call(self.runner.reset)
                 self.instance_id = uuid.uuid4().hex
                 await bus.publish(self.nc, self.subjects.worker_hello, self.hello())
                 continue
