@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 def build_serve_parser() -> ConfigParser:
     from services.launcher import StackConfig
+    from services.worker.config import SimConfig
     from shared.cli_args import ConfigParser
     from shared.config import SchedulerConfig
 
@@ -25,11 +26,13 @@ def build_serve_parser() -> ConfigParser:
     p.add_argument("--served-model-name", default=p.env("served_model_name"))
     p.add_config(StackConfig, build=False)
     p.add_config(SchedulerConfig)
+    p.add_config(SimConfig)
     return p
 
 
 def serve(argv: list[str]) -> int:
     from services.launcher import Stack, StackConfig, StartupError
+    from services.worker.config import SimConfig
     from shared.cli_args import config_from
     from shared.config import SchedulerConfig
     from shared.default_model import DEFAULT_MODEL_NAME, cache_root
@@ -54,6 +57,7 @@ def serve(argv: list[str]) -> int:
             served_model_name=name,
             log_dir=log_dir,
             scheduler=configs[SchedulerConfig],
+            sim=configs[SimConfig],
         )
     )
 

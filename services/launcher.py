@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.gateway.config import GatewayConfig
-from services.worker.config import RunnerConfig
+from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig
 from shared.cli_args import setting, to_argv
 from shared.config import SchedulerConfig, SchedulerServiceConfig, WorkerServiceConfig
 
@@ -43,8 +43,8 @@ class StartupError(RuntimeError):
 @dataclass(frozen=True)
 class StackConfig:
     """`skiff serve`: which processes run on this machine. Each service's own settings come
-    from its config (`scheduler`, `scheduler_service`), so their defaults stay defined once;
-    the workers take the scheduler's `max_num_seqs` and `max_model_len`."""
+    from its config (`scheduler`, `scheduler_service`, `sim`), so their defaults stay defined
+    once; the workers take the scheduler's `max_num_seqs` and `max_model_len`."""
 
     model_dir: str
     served_model_name: str
@@ -54,11 +54,16 @@ class StackConfig:
     nats_url: str | None = setting(None, "use this NATS instead of starting one")
     # bytes per message of our own nats-server (default: the server's, 1 MiB)
     nats_max_payload: int | None = setting(None, "", cli=False)
-    num_workers: int = setting(1, "CPU workers to start", name="workers")
+    num_workers: int = setting(1, "workers to start", name="workers")
+    worker_device: str = setting(
+        RunnerConfig.device,
+        f"device of every worker; {SIM_DEVICE}: simulated workers, all in one process",
+    )
     kv_cache_gib: float = setting(RunnerConfig.kv_cache_gib, "KV cache of each worker, GiB")
     log_dir: str | None = setting(None, "", cli=False)  # None: children log to our stderr
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     scheduler_service: SchedulerServiceConfig = field(default_factory=SchedulerServiceConfig)
+    sim: SimConfig = field(default_factory=SimConfig)  # simulated workers' settings
 
     @property
     def subject_prefix(self) -> str:
@@ -115,11 +120,22 @@ class Stack:
         self._spawn("scheduler", self._python("services.scheduler.main", *argv))
 
     def start_worker(self, index: int) -> None:
+        argv = self._worker_argv(f"worker-{index}")
+        self._spawn(f"worker-{index}", self._python("services.worker.main", *argv))
+
+    def start_sim_workers(self) -> None:
+        """All `num_workers` simulated workers in one process, ids worker-0, worker-1, ..."""
+        n = self.config.num_workers
+        argv = self._worker_argv("worker-0" if n == 1 else "worker")  # --count adds -0, -1, ...
+        argv += [*to_argv(self.config.sim), "--count", str(n)]
+        self._spawn("sim-workers", self._python("services.worker.main", *argv))
+
+    def _worker_argv(self, worker_id: str) -> list[str]:
         c = self.config
         service = WorkerServiceConfig(
             nats_url=self.nats_url,
             subject_prefix=c.subject_prefix,
-            worker_id=f"worker-{index}",
+            worker_id=worker_id,
             model_name=c.served_model_name,
         )
         runner = RunnerConfig(
@@ -127,9 +143,9 @@ class Stack:
             kv_cache_gib=c.kv_cache_gib,
             max_num_seqs=c.scheduler.max_num_seqs,
             max_model_len=c.scheduler.max_model_len,
+            device=c.worker_device,
         )
-        argv = ["--model", c.model_dir, *to_argv(service), *to_argv(runner)]
-        self._spawn(f"worker-{index}", self._python("services.worker.main", *argv))
+        return ["--model", c.model_dir, *to_argv(service), *to_argv(runner)]
 
     def start_gateway(self) -> None:
         c = self.config
@@ -153,9 +169,13 @@ class Stack:
                 self.start_nats()
             say("starting scheduler")
             self.start_scheduler()
-            for i in range(self.config.num_workers):
-                say(f"starting worker-{i} (loading the model)")
-                self.start_worker(i)
+            if self.config.worker_device == SIM_DEVICE:
+                say(f"starting {self.config.num_workers} simulated worker(s)")
+                self.start_sim_workers()
+            else:
+                for i in range(self.config.num_workers):
+                    say(f"starting worker-{i} (loading the model)")
+                    self.start_worker(i)
             say(f"starting gateway on {self.url}")
             self.start_gateway()
             self.wait_ready(timeout_s)
