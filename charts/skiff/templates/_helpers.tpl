@@ -88,3 +88,21 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 - name: cache
   emptyDir: {}
 {{- end }}
+
+{{/* Init container: converts the embedded model (worker image) into
+/cache/skiff/models/SmolLM2-135M-Instruct, for pods that need its files but not torch. */}}
+{{- define "skiff.prepareModel" -}}
+- name: prepare-model
+  image: {{ include "skiff.image" (dict "ctx" . "image" .Values.worker.image) }}
+  imagePullPolicy: {{ .Values.worker.image.pullPolicy }}
+  command:
+    - python
+    - -c
+    - from services.worker.gguf_convert import ensure_default_model; ensure_default_model(progress=False)
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  resources:
+    {{- toYaml .Values.model.prepare.resources | nindent 4 }}
+  volumeMounts:
+    {{- include "skiff.scratchVolumeMounts" . | nindent 4 }}
+{{- end }}
