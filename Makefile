@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-unit lint bench bench-gpu clean
+.PHONY: install serve test test-unit lint bench bench-scale bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench.py
+
+bench-scale: $(STAMP)
+	$(BIN)/pip install -q 'matplotlib>=3.8'
+	$(BIN)/python bench/scale.py
 
 bench-gpu: $(STAMP)
 	$(BIN)/python bench/gpu.py

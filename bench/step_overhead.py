@@ -11,6 +11,7 @@ import argparse
 import time
 from collections import deque
 
+from services.scheduler.main import tune_gc
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from shared.config import SchedulerConfig
@@ -18,9 +19,11 @@ from shared.protocol import BatchPlan, ModelRunnerOutput, decoder, encode
 from shared.sampling_params import SamplingParams
 
 
-def make_core(num_reqs: int, prompt_len: int) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=num_reqs, max_num_batched_tokens=8192)
-    core = Scheduler(config, num_blocks=num_reqs * 64, eos_token_ids=(2,))
+def make_core(num_reqs: int, prompt_len: int, steps: int) -> Scheduler:
+    """`num_reqs` requests with room for `steps` decode tokens each (no preemption)."""
+    config = SchedulerConfig(max_num_seqs=num_reqs, max_num_batched_tokens=1 << 16)
+    blocks_per_req = (prompt_len + steps + 2) // config.block_size + 1
+    core = Scheduler(config, num_blocks=num_reqs * blocks_per_req, eos_token_ids=(2,))
     params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
     for i in range(num_reqs):
         prompt = [(i * 7919 + j) % 30000 + 3 for j in range(prompt_len)]
@@ -37,7 +40,7 @@ def result_for(plan: BatchPlan) -> ModelRunnerOutput:
 
 def measure(num_reqs: int, steps: int, prompt_len: int = 128) -> dict[str, float]:
     """Microseconds per step of each part, in the async pattern (two plans in flight)."""
-    core = make_core(num_reqs, prompt_len)
+    core = make_core(num_reqs, prompt_len, steps)
     plan_decoder, output_decoder = decoder(BatchPlan), decoder(ModelRunnerOutput)
     in_flight: deque[BatchPlan] = deque([core.schedule()])  # the prefill step
     core.update(result_for(in_flight.popleft()))
@@ -69,6 +72,7 @@ def main() -> None:
     p.add_argument("--num-reqs", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--steps", type=int, default=2000)
     args = p.parse_args()
+    tune_gc()  # as the scheduler service runs
     print(
         f"{'reqs':>5} {'schedule':>9} {'update':>9} {'sched+upd':>10} {'plan enc+dec':>13} "
         f"{'result enc+dec':>15}  (µs per step)"

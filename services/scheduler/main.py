@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 from prometheus_client import start_http_server
 
@@ -23,6 +24,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, S
     return configs[SchedulerServiceConfig], configs[SchedulerConfig]
 
 
+def tune_gc() -> None:
+    """Fewer collections on the step path, which allocates a few objects per request and step:
+    what exists at startup is frozen out of the collector, and young-generation collections run
+    every 20,000 allocations instead of 700."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 10, 10)
+
+
 async def serve(config: SchedulerServiceConfig, scheduler_config: SchedulerConfig) -> None:
     service = SchedulerService(config, scheduler_config)
     if config.metrics_port:
@@ -35,6 +45,7 @@ async def serve(config: SchedulerServiceConfig, scheduler_config: SchedulerConfi
 def main(argv: list[str] | None = None) -> None:
     config, scheduler_config = parse_args(argv)
     setup_logging(config.log_level, "scheduler")
+    tune_gc()
     asyncio.run(serve(config, scheduler_config))
 
 

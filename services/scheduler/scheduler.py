@@ -51,6 +51,8 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
+        self.num_waiting_tokens = 0  # tokens of the waiting requests, as counted when queued
+        self._queued_tokens: dict[str, int] = {}
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []  # to tell the worker in the next plan
         self.step_id = 0
@@ -67,7 +69,7 @@ class Scheduler:
                 f"the limit is {self.max_model_len - 1}"
             )
         self.requests[request.req_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
 
     def abort(self, req_ids: list[str]) -> list[Request]:
         aborted: list[Request] = []
@@ -142,17 +144,13 @@ class Scheduler:
                 )
             )
             num_scheduled[request.req_id] = num_new
+            self._advance(request, num_new)
             budget -= num_new
             i += 1
 
         if not preempted:
             budget = self._admit_waiting(budget, num_scheduled, new_reqs, cached_reqs)
 
-        for req_id, n in num_scheduled.items():
-            request = self.requests[req_id]
-            request.num_computed_tokens += n
-            if request.num_computed_tokens >= request.num_tokens_with_placeholders:
-                request.num_output_placeholders += 1  # it samples; the token comes with the result
         plan = BatchPlan(
             step_id=self.step_id,
             new_reqs=new_reqs,
@@ -165,6 +163,14 @@ class Scheduler:
         self.finished_req_ids = []
         self.step_id += 1
         return plan
+
+    @staticmethod
+    def _advance(request: Request, num_new: int) -> None:
+        """Count a request's scheduled tokens as computed; one that reaches the end of its
+        tokens samples, so its next token is a placeholder until the result comes."""
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens >= request.num_tokens_with_placeholders:
+            request.num_output_placeholders += 1
 
     def _num_runnable_tokens(self, request: Request) -> int:
         """Tokens a running request can compute now: those known or sampled by a plan in
@@ -205,7 +211,7 @@ class Scheduler:
             new_block_ids = self.kv.allocate_slots(request, num_new, hits)
             if new_block_ids is None:
                 break
-            self.waiting.popleft()
+            self._dequeue(self.waiting.popleft())
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -232,8 +238,21 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.req_id] = num_new
+            self._advance(request, num_new)
             budget -= num_new
         return budget
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+        self._queued_tokens[request.req_id] = request.num_tokens
+        self.num_waiting_tokens += request.num_tokens
+
+    def _dequeue(self, request: Request) -> None:
+        """Uncount a request that left `waiting`."""
+        self.num_waiting_tokens -= self._queued_tokens.pop(request.req_id)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -242,7 +261,7 @@ class Scheduler:
         request.num_output_placeholders = 0  # a token still in flight is appended on arrival
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     # ---- results -----------------------------------------------------------------------
 
@@ -307,6 +326,7 @@ class Scheduler:
             self.finished_req_ids.append(request.req_id)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+            self._dequeue(request)
             if request.status == RequestStatus.PREEMPTED:
                 self.finished_req_ids.append(request.req_id)
         request.status = RequestStatus.FINISHED

@@ -87,8 +87,9 @@ class WorkerPool:
     def select(self, request: Request) -> WorkerHandle:
         """The worker where `request` costs least: the full blocks of its tokens not cached
         there plus the blocks in use there, counted in tokens (blocks of that worker's own
-        size times its block size), so workers with different block sizes compare fairly;
-        ties go to the worker running fewer requests."""
+        size times its block size, so workers with different block sizes compare fairly),
+        plus the tokens of the requests queued there and not yet scheduled (so a burst spreads
+        before any of it holds blocks); ties go to the worker holding fewer requests."""
         if not self.workers:
             raise LookupError("no worker is ready")
         token_ids = request.all_token_ids
@@ -96,6 +97,7 @@ class WorkerPool:
         def cost(w: WorkerHandle) -> tuple[int, int]:
             core = w.core
             blocks = core.num_uncached_blocks(token_ids) + core.num_used_blocks
-            return blocks * core.config.block_size, len(core.running)
+            tokens = blocks * core.config.block_size + core.num_waiting_tokens
+            return tokens, len(core.running) + len(core.waiting)
 
         return min(self.workers.values(), key=cost)

@@ -51,6 +51,7 @@ class WorkerService:
         self.subjects = Subjects(config.subject_prefix)
         self.instance_id = uuid.uuid4().hex
         self.worker_session = ""
+        self._failed_session = ""  # a step of it failed: its queued plans build on lost state
         # A blocking runner gets one thread: plans run strictly in arrival order, heartbeats go
         # on meanwhile. An AsyncRunner runs on the loop (and its plans in order all the same).
         self.executor: ThreadPoolExecutor | None = None
@@ -111,6 +112,8 @@ class WorkerService:
     async def _execute_loop(self) -> None:
         while True:
             plan = await self._plans.get()
+            if plan.worker_session == self._failed_session:
+                continue  # planned before our failure was known (async scheduling)
             if plan.worker_session != self.worker_session:
                 if self.worker_session:
                     log.warning("new scheduler epoch: dropping all request state")
@@ -124,6 +127,7 @@ class WorkerService:
                 # (or here, from scratch) instead of waiting for a result that never comes.
                 log.exception("step %d failed; dropping all request state", plan.step_id)
                 await self._call(self.runner.reset)
+                self._failed_session = plan.worker_session
                 self.instance_id = uuid.uuid4().hex
                 await bus.publish(self.nc, self.subjects.worker_hello, self.hello())
                 continue

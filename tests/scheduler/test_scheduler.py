@@ -224,6 +224,8 @@ def check_invariants(s: Scheduler) -> None:
         assert b.block_hash == h
     for r in s.running:
         assert len(s.kv.req_blocks[r.req_id]) * 16 >= r.num_computed_tokens
+    assert s.num_waiting_tokens == sum(s._queued_tokens.values()) >= 0
+    assert set(s._queued_tokens) == {r.req_id for r in s.waiting}
 
 
 @settings(max_examples=60, deadline=None)

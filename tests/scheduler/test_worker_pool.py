@@ -73,3 +73,13 @@ def test_load_of_workers_with_different_block_sizes_compares_in_tokens():
     assert (w16.core.num_used_blocks, w32.core.num_used_blocks) == (4, 3)
     # fewer blocks in use on w32, but more tokens: a cold request belongs on w16
     assert pool.select(request("c", list(range(500, 510)))) is w16
+
+
+def test_a_burst_spreads_before_any_of_it_holds_blocks():
+    pool = WorkerPool(SchedulerConfig())
+    for wid in ("a", "b", "c", "d"):
+        pool.register(make_hello(wid))
+    for i in range(16):  # all placed before any worker schedules (no block is in use yet)
+        r = request(f"r{i}", [100 + i] * 40)
+        pool.select(r).core.add_request(r)
+    assert sorted(len(w.core.waiting) for w in pool.workers.values()) == [4, 4, 4, 4]

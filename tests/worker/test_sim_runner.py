@@ -275,6 +275,13 @@ def test_service_runs_sim_steps_on_the_loop_and_resets_on_a_bad_plan(model_dir, 
         await bus.publish(nc, subjects.plan("sim-0"), bad)
         again = await asyncio.wait_for(hellos.get(), 5)
         assert again.instance_id != hello.instance_id and service.runner.requests == {}
+        # a plan of the failed session, sent before the scheduler knew: skipped, not a failure
+        stale = plan(3, {"a": 1}, cached_reqs=[cached("a", 3)], worker_session="s")
+        await bus.publish(nc, subjects.plan("sim-0"), stale)
+        fresh = plan(4, {"b": 2}, new_reqs=[new("b", 2, [1])], worker_session="s2")
+        await bus.publish(nc, subjects.plan("sim-0"), fresh)
+        out = await asyncio.wait_for(results.get(), 5)
+        assert out.step_id == 4 and hellos.empty()
         await service.stop()
         await nc.drain()
 
