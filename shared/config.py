@@ -83,6 +83,9 @@ class WorkerServiceConfig:
     subject_prefix: str = setting(DEFAULT_SUBJECT_PREFIX, "prefix of every NATS subject")
     worker_id: str = setting("worker-0", "unique per worker (the pod name in Kubernetes)")
     model_name: str = setting("", "model name announced to the scheduler", name="served_model_name")
+    scheduler_shards: int = setting(
+        1, "scheduler shards; this worker serves the one its id's number selects (modulo)"
+    )
     heartbeat_interval_s: float = setting(
         1.0, "seconds between worker heartbeats", name="heartbeat_interval"
     )
@@ -91,3 +94,4 @@ class WorkerServiceConfig:
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be > 0")
+        _check_positive(self, "scheduler_shards")

@@ -1,8 +1,14 @@
-"""NATS subject names; the prefix lets several deployments share one NATS server."""
+"""NATS subject names; the prefix lets several deployments share one NATS server.
+
+Scheduling scales out by shards: shard i is one scheduler and the workers it owns, talking on
+subjects of their own prefix (`<prefix>.shard<i>`); gateways talk to every shard. With one
+shard the prefix is used as it is.
+"""
 
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 
 from shared.config import DEFAULT_SUBJECT_PREFIX
@@ -10,6 +16,30 @@ from shared.config import DEFAULT_SUBJECT_PREFIX
 # One token of a subject (a gateway id, a part of the prefix): no dots, wildcards or spaces.
 SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 SUBJECT_PREFIX = re.compile(rf"{SUBJECT_TOKEN.pattern}(\.{SUBJECT_TOKEN.pattern})*")
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
+
+
+def shard_prefixes(prefix: str, num_shards: int) -> list[str]:
+    """The subject prefix of each scheduler shard."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if num_shards == 1:
+        return [prefix]
+    return [f"{prefix}.shard{i}" for i in range(num_shards)]
+
+
+def worker_shard(worker_id: str, num_shards: int) -> int:
+    """The shard that owns a worker: the number its id ends with (a StatefulSet ordinal as in
+    `skiff-worker-3`, or `worker-3`) modulo the shard count, so consecutive workers alternate;
+    a stable hash of the id when it ends in no number."""
+    match = _TRAILING_NUMBER.search(worker_id)
+    number = int(match.group(1)) if match else zlib.crc32(worker_id.encode())
+    return number % num_shards
+
+
+def worker_prefix(prefix: str, worker_id: str, num_shards: int) -> str:
+    """The subject prefix a worker talks on: its shard's."""
+    return shard_prefixes(prefix, num_shards)[worker_shard(worker_id, num_shards)]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from services.worker.config import RunnerConfig
 from shared import bus
 from shared.config import WorkerServiceConfig
 from shared.protocol import BatchPlan, ModelRunnerOutput, WorkerHello
-from shared.subjects import Subjects
+from shared.subjects import Subjects, worker_prefix
 
 log = logging.getLogger("skiff.worker")
 T = TypeVar("T")
@@ -48,7 +48,9 @@ class WorkerService:
     def __init__(self, config: WorkerServiceConfig, runner: Runner) -> None:
         self.config = config
         self.runner = runner
-        self.subjects = Subjects(config.subject_prefix)
+        self.subjects = Subjects(
+            worker_prefix(config.subject_prefix, config.worker_id, config.scheduler_shards)
+        )
         self.instance_id = uuid.uuid4().hex
         self.worker_session = ""
         self._failed_session = ""  # a step of it failed: its queued plans build on lost state
