@@ -68,7 +68,8 @@ class Request:
         """Append a sampled token; it fills a placeholder if one is outstanding."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        self.num_output_placeholders = max(self.num_output_placeholders - 1, 0)
+        if self.num_output_placeholders:
+            self.num_output_placeholders -= 1
 
     def __repr__(self) -> str:
         progress = f"{self.num_computed_tokens}/{self.num_tokens}"

@@ -226,3 +226,43 @@ def test_every_block_is_free_afterwards(sim_stack):
             return
         assert time.monotonic() < deadline, stats
         time.sleep(0.2)
+
+
+def test_eos_heavy_sim_never_streams_past_a_stop(sim_stack, info, tokenizer):
+    """Streamed, with async scheduling (the default): a request that stops at step N was
+    already planned for N+1; that extra token never reaches the stream or the usage."""
+
+    async def run() -> list:
+        client = AsyncOpenAI(base_url=f"{sim_stack.url}/v1", api_key="unused", max_retries=0)
+
+        async def one(seed: int):
+            stream = await client.completions.create(
+                model=MODEL,
+                prompt=PROMPT,
+                max_tokens=30,
+                seed=seed,
+                logprobs=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            tokens, finish, usage = [], None, None
+            async for chunk in stream:
+                for c in chunk.choices:
+                    tokens += c.logprobs.tokens if c.logprobs else []
+                    finish = c.finish_reason or finish
+                usage = chunk.usage or usage
+            return tokens, finish, usage.completion_tokens
+
+        try:
+            return await asyncio.gather(*(one(2000 + s) for s in range(16)))
+        finally:
+            await client.close()
+
+    eos = set(info.eos_token_ids)
+    for s, (tokens, finish, num_tokens) in enumerate(asyncio.run(run())):
+        expected = expected_tokens(info, 2000 + s, len(PROMPT), 30)
+        stop_at = next((i + 1 for i, t in enumerate(expected) if t in eos), 30)
+        assert num_tokens == stop_at and finish == ("stop" if stop_at < 30 else "length")
+        visible = [t for t in expected[:stop_at] if t not in eos]  # EOS is not shown as text
+        assert tokens[: len(visible)] == tokenizer.token_strs(visible)
+        assert len(tokens) <= stop_at
