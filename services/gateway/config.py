@@ -15,10 +15,11 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """The gateway: HTTP, its model's tokenizer, and its NATS link to the scheduler."""
+    """The gateway: HTTP, its model's tokenizer, and its NATS link to the scheduler shards."""
 
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")
     subject_prefix: str = setting(DEFAULT_SUBJECT_PREFIX, "prefix of every NATS subject")
+    scheduler_shards: int = setting(1, "scheduler shards to spread requests over")
     host: str = setting("0.0.0.0", "HTTP listen address")
     port: int = setting(8000, "HTTP port")
     model_dir: str | None = setting(
@@ -36,6 +37,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.scheduler_shards < 1:
+            raise ValueError("scheduler_shards must be >= 1")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
         if self.drain_timeout < 0 or self.model_wait_timeout < 0:

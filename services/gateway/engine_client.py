@@ -1,8 +1,9 @@
-"""The gateway's only link to the scheduler: submit, abort, and per-request token streams.
+"""The gateway's only link to the scheduler shards: submit, abort, and per-request token streams.
 
 `EngineClient` is the protocol the HTTP layer uses; `NatsEngineClient` implements it over core
-NATS (see `shared.subjects`) by composing `NatsTransport` (connection, heartbeat, subjects) and
-`InFlightRequests` (routing deltas, moving requests whose deltas may have been lost).
+NATS (see `shared.subjects`) by composing `Shards` (each scheduler shard's heartbeat and load),
+`NatsTransport` (the connection and every shard's subjects) and `InFlightRequests` (placing
+requests on shards, routing deltas, moving requests whose deltas may have been lost).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import msgspec
 from services.gateway.inflight import InFlightRequests
 from services.gateway.nats_transport import NatsTransport
 from services.gateway.request_stream import EngineError, RequestStream
+from services.gateway.shards import Shards
 from shared.config import DEFAULT_SUBJECT_PREFIX
 from shared.protocol import SubmitRequest
-from shared.subjects import SUBJECT_TOKEN, Subjects
+from shared.subjects import SUBJECT_TOKEN
 
 __all__ = ["EngineClient", "EngineError", "NatsEngineClient", "RequestStream"]
 
@@ -35,7 +37,7 @@ class EngineClient(Protocol):
 
     @property
     def max_model_len(self) -> int | None:
-        """The context length the scheduler announced, if known."""
+        """The context length the schedulers announced (the smallest), if known."""
         ...
 
     async def submit(self, request: SubmitRequest) -> RequestStream:
@@ -48,7 +50,8 @@ class EngineClient(Protocol):
 
 
 class NatsEngineClient:
-    """`EngineClient` over NATS; `start()` returns at once and connects in the background."""
+    """`EngineClient` over NATS to `num_shards` scheduler shards; `start()` returns at once and
+    connects in the background."""
 
     def __init__(
         self,
@@ -56,6 +59,7 @@ class NatsEngineClient:
         *,
         gateway_id: str | None = None,
         subject_prefix: str = DEFAULT_SUBJECT_PREFIX,
+        num_shards: int = 1,
         submit_timeout: float = 5.0,
         heartbeat_timeout: float = 3.0,
         orphan_timeout: float = 60.0,
@@ -64,12 +68,9 @@ class NatsEngineClient:
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         if not SUBJECT_TOKEN.fullmatch(self.gateway_id):
             raise ValueError(f"gateway id must match {SUBJECT_TOKEN.pattern}: {self.gateway_id!r}")
+        self.shards = Shards(subject_prefix, num_shards, heartbeat_timeout)
         self.transport = NatsTransport(
-            servers,
-            self.gateway_id,
-            Subjects(subject_prefix),
-            submit_timeout=submit_timeout,
-            heartbeat_timeout=heartbeat_timeout,
+            servers, self.gateway_id, self.shards, submit_timeout=submit_timeout
         )
         self.requests = InFlightRequests(
             self.transport, orphan_timeout=orphan_timeout, resubmit_timeout=resubmit_timeout
@@ -77,7 +78,7 @@ class NatsEngineClient:
         self.stats = self.requests.stats
 
     async def start(self) -> None:
-        self.transport.start(on_output=self.requests.deliver, on_lost=self.requests.move_all)
+        self.transport.start(on_output=self.requests.deliver, on_lost=self.requests.move)
         self.requests.start()
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -100,12 +101,8 @@ class NatsEngineClient:
         return self.transport.ready
 
     @property
-    def epoch(self) -> str | None:
-        return self.transport.epoch
-
-    @property
     def max_model_len(self) -> int | None:
-        return self.transport.max_model_len
+        return self.shards.max_model_len
 
     @property
     def num_in_flight(self) -> int:
@@ -114,7 +111,7 @@ class NatsEngineClient:
     async def submit(self, request: SubmitRequest) -> RequestStream:
         if not self.connected:
             raise EngineError(503, "the gateway is not connected to NATS")
-        if self.epoch is None or not self.ready:
+        if not self.ready:
             raise EngineError(503, "no scheduler with ready workers is available")
         request = msgspec.structs.replace(request, gateway_id=self.gateway_id)
         return await self.requests.submit(request)

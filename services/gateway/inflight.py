@@ -1,13 +1,16 @@
-"""The gateway's in-flight requests: routing deltas to their streams, and moving requests whose
-deltas may have been lost.
+"""The gateway's in-flight requests: placing them on scheduler shards, routing deltas to their
+streams, and moving requests whose deltas may have been lost.
 
-Every in-flight request remembers the tokens it received. When the scheduler restarts, our own
-NATS connection comes back, or NATS drops messages for us, each accepted request *moves*: the
-old engine id is dropped and aborted, and the request is resubmitted under a fresh id
-(`<req_id>.<attempt>`) as a continuation carrying `output_token_ids`, so the client's stream
-goes on. A fresh id means a scheduler never sees the same id twice, and late deltas of the old
-id are simply not routed. If no heartbeat arrives for `orphan_timeout` seconds, in-flight
-streams fail with 503.
+A new request goes to the least loaded available shard (`Shards.choose`); a shard that answers
+429 or 503 hands it to the next one, once. Every in-flight request remembers its shard and the
+tokens it received. When its shard's scheduler restarts (new epoch), or for every request when
+our own NATS connection comes back or NATS drops messages for us, a request accepted by a shard
+*moves*: its engine id is dropped and aborted on its shard, and it is resubmitted to the least
+loaded shard under a fresh id (`<req_id>.<attempt>`, fresh for every try) as a continuation
+carrying `output_token_ids`, so the client's stream goes on. A fresh id means no scheduler ever
+sees the same id twice and no request is held by two shards: late deltas of an old id are
+simply not routed. If a shard sends no heartbeat for `orphan_timeout` seconds, the streams of
+its requests fail with 503.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +36,8 @@ _RETRYABLE = frozenset({429, 503})
 
 @dataclass
 class EngineStats:
-    """Counters the metrics module exports."""
+    """Counters the metrics module exports: requests accepted on first submit, rejections
+    (every 'no' from a shard), client aborts, moves accepted, and streams failed."""
 
     submitted: int = 0
     rejected: int = 0
@@ -41,37 +46,42 @@ class EngineStats:
     failed: int = 0
 
 
+class _Rejected(EngineError):
+    """A shard answered no: it does not hold the request."""
+
+
 @dataclass
 class _InFlight:
     request: SubmitRequest
     stream: RequestStream
     engine_id: str
+    shard: int  # the shard `engine_id` was last sent to
     output_token_ids: list[int] = field(default_factory=list)
     attempt: int = 0
-    accepted: bool = False  # moves only apply to requests a scheduler has accepted
+    accepted: bool = False  # moves only apply to requests a shard has accepted
+    lost: bool = False  # deltas may have been lost since it was last sent
+    moving: bool = False
 
 
 class InFlightRequests:
-    """Requests by the gateway's id and by the id the scheduler knows now."""
+    """Requests by the gateway's id and by the id a scheduler knows now."""
 
     def __init__(
         self, transport: NatsTransport, *, orphan_timeout: float, resubmit_timeout: float
     ) -> None:
         self.transport = transport
+        self.shards = transport.shards
         self.orphan_timeout = orphan_timeout
         self.resubmit_timeout = resubmit_timeout
         self.stats = EngineStats()
         self._inflight: dict[str, _InFlight] = {}  # by the gateway's req_id
-        self._routes: dict[str, _InFlight] = {}  # by the id the scheduler knows now
+        self._routes: dict[str, _InFlight] = {}  # by the id a scheduler knows now
         self._tasks: set[asyncio.Task[None]] = set()
-        self._migration_pending = asyncio.Event()
-        self._migration_round = 0  # counts move-everything events
 
     def __len__(self) -> int:
         return len(self._inflight)
 
     def start(self) -> None:
-        self._spawn(self._migrator())
         self._spawn(self._watchdog())
 
     def close(self, error: EngineError) -> None:
@@ -86,31 +96,31 @@ class InFlightRequests:
     async def submit(self, request: SubmitRequest) -> RequestStream:
         if request.req_id in self._inflight:
             raise EngineError(400, f"request id {request.req_id!r} is already in flight")
-        record = _InFlight(request, RequestStream(request.req_id), request.req_id)
+        record = _InFlight(request, RequestStream(request.req_id), request.req_id, self._choose())
         self._inflight[request.req_id] = record
         self._routes[record.engine_id] = record  # before submitting: deltas may beat the reply
-        round_at_submit = self._migration_round
         try:
-            await self._send(request)
+            await self._place(record)
         except EngineError:
             self._forget(record)
             raise
         record.accepted = True
         self.stats.submitted += 1
-        if self._migration_round != round_at_submit:  # accepted by a scheduler now gone?
-            self._spawn(self._move(record))
+        if record.lost:  # accepted by a scheduler now gone, or deltas lost meanwhile?
+            self._start_move(record)
         return record.stream
 
     async def abort(self, req_ids: Sequence[str]) -> None:
-        engine_ids = []
+        """Forget the requests and abort them on the shards that hold them."""
+        by_shard: dict[int, list[str]] = defaultdict(list)
         for req_id in req_ids:
             record = self._inflight.get(req_id)
             if record is not None:
                 self._forget(record)
-                engine_ids.append(record.engine_id)
-        if engine_ids:
+                by_shard[record.shard].append(record.engine_id)
+        for shard, engine_ids in by_shard.items():
             self.stats.aborted += len(engine_ids)
-            await self.transport.abort(engine_ids)
+            await self.transport.abort(shard, engine_ids)
 
     async def deliver(self, batch: OutputBatch) -> None:
         """Route each delta to its stream by the engine id it was sent under."""
@@ -123,47 +133,79 @@ class InFlightRequests:
                 self._forget(record)
             record.stream.put(delta)
 
-    def move_all(self, reason: str) -> None:
-        """Deltas may have been lost: move every accepted request (in the background)."""
-        logger.warning("%s; moving %d in-flight requests", reason, len(self._inflight))
-        self._migration_round += 1
-        self._migration_pending.set()
+    def move(self, reason: str, shard: int | None = None) -> None:
+        """Deltas of the requests on `shard` (on every shard when None) may have been lost:
+        move them, in the background, as soon as a shard has accepted them."""
+        records = [r for r in self._inflight.values() if shard is None or r.shard == shard]
+        logger.warning("%s; moving %d in-flight requests", reason, len(records))
+        for record in records:
+            record.lost = True
+            if record.accepted:
+                self._start_move(record)
 
-    async def _send(self, request: SubmitRequest) -> None:
-        reply = await self.transport.submit(request)
+    def fail_orphans(self) -> None:
+        """Fail the requests of every shard silent for `orphan_timeout`."""
+        silent = {i for i, s in enumerate(self.shards) if s.heartbeat_age > self.orphan_timeout}
+        orphans = [r for r in self._inflight.values() if r.shard in silent]
+        if orphans:
+            logger.error(
+                "no heartbeat from scheduler shards %s for %.0f s; failing %d requests",
+                sorted(silent),
+                self.orphan_timeout,
+                len(orphans),
+            )
+        for record in orphans:
+            self._fail(record, EngineError(503, "lost contact with the scheduler"))
+
+    def _choose(self) -> int:
+        shard = self.shards.choose()
+        if shard is None:
+            raise EngineError(503, "no scheduler with ready workers is available")
+        return shard
+
+    async def _place(self, record: _InFlight) -> None:
+        """First submit to the chosen shard; on a 429 or 503 answer, once to another one."""
+        try:
+            await self._send(record, record.request, record.shard)
+        except _Rejected as e:
+            other = self.shards.choose(exclude=record.shard)
+            if e.status not in _RETRYABLE or other is None:
+                raise
+            await self._send(record, record.request, other)
+
+    async def _send(self, record: _InFlight, request: SubmitRequest, shard: int) -> None:
+        """Submit `request` (the record's engine id) to `shard`; raises `EngineError`."""
+        record.shard, record.lost = shard, False
+        self.shards[shard].submitted += 1
+        reply = await self.transport.submit(shard, request)
         if not reply.accepted:
             self.stats.rejected += 1
-            raise EngineError(reply.status or 503, reply.message or "request rejected")
+            raise _Rejected(reply.status or 503, reply.message or "request rejected")
 
-    async def _migrator(self) -> None:
-        while True:
-            await self._migration_pending.wait()
-            self._migration_pending.clear()
-            records = [r for r in self._inflight.values() if r.accepted]
-            await asyncio.gather(*(self._move(r) for r in records))
+    def _start_move(self, record: _InFlight) -> None:
+        if not record.moving:
+            record.moving = True
+            self._spawn(self._move(record))
 
     async def _move(self, record: _InFlight) -> None:
-        """Resubmit a request as a continuation under a fresh id; retry while overloaded."""
-        old_id = record.engine_id
-        record.attempt += 1
-        record.engine_id = f"{record.request.req_id}.{record.attempt}"
-        self._routes.pop(old_id, None)
-        self._routes[record.engine_id] = record
-        await self.transport.abort([old_id])
-        params = msgspec.structs.replace(record.request.sampling_params, prompt_logprobs=None)
-        continuation = msgspec.structs.replace(
-            record.request,
-            req_id=record.engine_id,
-            sampling_params=params,
-            output_token_ids=list(record.output_token_ids),
-        )
+        """Resubmit until the record is held by a shard that has lost none of its deltas."""
+        try:
+            while record.lost and self._holds(record):
+                await self._resubmit(record)
+        finally:
+            record.moving = False
+
+    async def _resubmit(self, record: _InFlight) -> None:
+        """Drop and abort the record's engine id, then submit it as a continuation to the least
+        loaded shard; retry while overloaded (429/503) for up to `resubmit_timeout`."""
+        self._routes.pop(record.engine_id, None)
+        await self.transport.abort(record.shard, [record.engine_id])
         deadline = time.monotonic() + self.resubmit_timeout
         delay = 0.1
-        while self._inflight.get(record.request.req_id) is record:
-            if self._migration_pending.is_set():
-                return  # a newer move of every request is coming
+        while self._holds(record):
             try:
-                await self._send(continuation)
+                shard = self._choose()
+                await self._send(record, self._continuation(record), shard)
                 self.stats.migrated += 1
                 return
             except EngineError as e:
@@ -173,18 +215,27 @@ class InFlightRequests:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
+    def _continuation(self, record: _InFlight) -> SubmitRequest:
+        """The record under its next engine id, carrying the tokens streamed so far."""
+        self._routes.pop(record.engine_id, None)
+        record.attempt += 1
+        record.engine_id = f"{record.request.req_id}.{record.attempt}"
+        self._routes[record.engine_id] = record
+        params = msgspec.structs.replace(record.request.sampling_params, prompt_logprobs=None)
+        return msgspec.structs.replace(
+            record.request,
+            req_id=record.engine_id,
+            sampling_params=params,
+            output_token_ids=list(record.output_token_ids),
+        )
+
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            silent = self.transport.heartbeat_age
-            if self._inflight and silent > self.orphan_timeout:
-                logger.error(
-                    "no scheduler heartbeat for %.0f s; failing %d requests",
-                    silent,
-                    len(self._inflight),
-                )
-                for record in list(self._inflight.values()):
-                    self._fail(record, EngineError(503, "lost contact with the scheduler"))
+            self.fail_orphans()
+
+    def _holds(self, record: _InFlight) -> bool:
+        return self._inflight.get(record.request.req_id) is record
 
     def _fail(self, record: _InFlight, error: EngineError) -> None:
         self.stats.failed += 1

@@ -1,4 +1,5 @@
-"""Run the gateway: `python -m services.gateway.main --nats-url nats://... --port 8000`.
+"""Run the gateway: `python -m services.gateway.main --nats-url nats://... --port 8000`
+(`--scheduler-shards N` to spread requests over N scheduler shards).
 
 Every flag also reads an environment variable (`--nats-url` ← `SKIFF_NATS_URL`, and so on).
 On SIGTERM/SIGINT the gateway drains: /health turns 503 and new generation requests get 503,
@@ -87,14 +88,22 @@ async def _wait_for_tokenizer(model_dir: Path, timeout: float) -> None:
         await asyncio.sleep(1.0)
 
 
+def build_engine(config: GatewayConfig) -> NatsEngineClient:
+    """The engine client the configuration describes (not started)."""
+    return NatsEngineClient(
+        config.nats_url,
+        gateway_id=config.gateway_id,
+        subject_prefix=config.subject_prefix,
+        num_shards=config.scheduler_shards,
+    )
+
+
 async def serve(config: GatewayConfig) -> None:
     """Connect to NATS (in the background) and serve HTTP until a signal drains the server."""
     model_dir = config.resolved_model_dir
     await _wait_for_tokenizer(model_dir, config.model_wait_timeout)
     tokenizer = Tokenizer(model_dir)
-    engine = NatsEngineClient(
-        config.nats_url, gateway_id=config.gateway_id, subject_prefix=config.subject_prefix
-    )
+    engine = build_engine(config)
     await engine.start()
     app = create_app(
         engine,

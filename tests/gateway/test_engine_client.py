@@ -1,4 +1,4 @@
-"""The NATS engine client against a real nats-server and a scripted scheduler."""
+"""The NATS engine client against a real nats-server and scripted scheduler shards."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from services.gateway.engine_client import EngineError, NatsEngineClient
+from shared import bus
 from shared.protocol import (
     AbortRequests,
     OutputBatch,
@@ -18,10 +19,9 @@ from shared.protocol import (
     SubmitReply,
     SubmitRequest,
     TokenDelta,
-    decoder,
     encode,
 )
-from shared.subjects import Subjects
+from shared.subjects import Subjects, shard_prefixes
 
 # ---- NATS engine client -------------------------------------------------------------------
 
@@ -35,31 +35,27 @@ class ScriptedScheduler:
         self.aborts: list[str] = []
 
     async def start(self) -> None:
-        submit_decoder, abort_decoder = decoder(SubmitRequest), decoder(AbortRequests)
+        async def on_submit(request: SubmitRequest) -> SubmitReply:
+            self.submits.append(request)
+            return SubmitReply(accepted=True)
 
-        async def on_submit(msg):
-            self.submits.append(submit_decoder.decode(msg.data))
-            await msg.respond(encode(SubmitReply(accepted=True)))
+        async def on_abort(abort: AbortRequests) -> None:
+            self.aborts.extend(abort.req_ids)
 
-        async def on_abort(msg):
-            self.aborts.extend(abort_decoder.decode(msg.data).req_ids)
-
-        self.subs = [
-            await self.nc.subscribe(self.subjects.submit, cb=on_submit),
-            await self.nc.subscribe(self.subjects.abort, cb=on_abort),
-        ]
+        await bus.serve(self.nc, self.subjects.submit, SubmitRequest, on_submit)
+        await bus.subscribe(self.nc, self.subjects.abort, AbortRequests, on_abort)
         await self.heartbeat()
 
     async def heartbeat(self) -> None:
         beat = SchedulerHeartbeat(epoch=self.epoch, num_ready_workers=1, max_model_len=128)
-        await self.nc.publish(self.subjects.scheduler_heartbeat, encode(beat))
+        await bus.publish(self.nc, self.subjects.scheduler_heartbeat, beat)
+        await self.nc.flush()
 
     async def emit(
         self, gateway_id: str, req_id: str, tokens: list[int], finish: str | None = None
     ) -> None:
         delta = TokenDelta(req_id=req_id, new_token_ids=tokens, finish_reason=finish)
-        batch = OutputBatch(deltas=[delta])
-        await self.nc.publish(self.subjects.output(gateway_id), encode(batch))
+        await bus.publish(self.nc, self.subjects.output(gateway_id), OutputBatch(deltas=[delta]))
         await self.nc.flush()
 
 
@@ -193,8 +189,6 @@ async def test_nats_engine_client_moves_requests_after_reconnect(nats_server):
 async def test_nats_engine_client_reassembles_split_output_batches(nats_url):
     import nats
 
-    from shared import bus
-
     subjects = Subjects("t4")
     nc = await nats.connect(nats_url)
     scheduler = ScriptedScheduler(nc, subjects, "e")
@@ -213,6 +207,62 @@ async def test_nats_engine_client_reassembles_split_output_batches(nats_url):
         delta = TokenDelta(req_id="r", new_token_ids=tokens, finish_reason="length")
         await bus.publish(nc, subjects.output("gw4"), OutputBatch(deltas=[delta]))
         assert (await asyncio.wait_for(anext(stream), 5)).new_token_ids == tokens
+    finally:
+        await client.close()
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_nats_engine_client_spreads_over_shards_and_moves_a_restarted_ones(nats_url):
+    import nats
+
+    nc = await nats.connect(nats_url)
+    shards = [
+        ScriptedScheduler(nc, Subjects(prefix), f"epoch-{i}")
+        for i, prefix in enumerate(shard_prefixes("t5", 2))
+    ]
+    for shard in shards:
+        await shard.start()
+    client = NatsEngineClient(nats_url, subject_prefix="t5", gateway_id="gw5", num_shards=2)
+    await client.start()
+    try:
+        await _until(lambda: client.connected)
+        for shard in shards:
+            await shard.heartbeat()
+        await _until(lambda: all(client.shards.available(s) for s in client.shards))
+        assert client.ready
+        params = SamplingParams(max_tokens=5)
+        streams = {}
+        for i in range(4):  # equal loads: they alternate, as each counts what we sent it
+            request = SubmitRequest(
+                req_id=f"r-{i}", gateway_id="", prompt_token_ids=[1], sampling_params=params
+            )
+            streams[request.req_id] = await client.submit(request)
+        held = [[r.req_id for r in shard.submits] for shard in shards]
+        assert held == [["r-0", "r-2"], ["r-1", "r-3"]]
+        for shard, req_ids in zip(shards, held, strict=True):
+            for req_id in req_ids:
+                await shard.emit("gw5", req_id, [int(req_id[-1])])
+        for req_id, stream in streams.items():
+            assert (await asyncio.wait_for(anext(stream), 5)).new_token_ids == [int(req_id[-1])]
+
+        # Shard 1 restarts: only its requests move (to the shard now least loaded: itself).
+        shards[1].epoch = "epoch-1b"
+        await shards[1].heartbeat()
+        await _until(lambda: len(shards[1].submits) == 4)
+        moved = shards[1].submits[2:]
+        assert sorted(r.req_id for r in moved) == ["r-1.1", "r-3.1"]
+        assert sorted(r.output_token_ids for r in moved) == [[1], [3]]
+        assert sorted(shards[1].aborts) == ["r-1", "r-3"]
+        assert len(shards[0].submits) == 2 and shards[0].aborts == []
+        await shards[1].emit("gw5", "r-1", [99])  # late delta of the old id: dropped
+        for shard, req_ids in ((shards[0], ["r-0", "r-2"]), (shards[1], ["r-1.1", "r-3.1"])):
+            for req_id in req_ids:
+                await shard.emit("gw5", req_id, [9], finish="stop")
+        for stream in streams.values():
+            last = await asyncio.wait_for(anext(stream), 5)
+            assert last.new_token_ids == [9] and last.finish_reason == "stop"
+        assert client.num_in_flight == 0
     finally:
         await client.close()
         await nc.close()
