@@ -32,7 +32,7 @@ import msgspec
 
 from services.launcher import Stack, StackConfig, free_port
 from shared import bus
-from shared.config import SchedulerConfig, SchedulerServiceConfig
+from shared.config import DEFAULT_SUBJECT_PREFIX, SchedulerConfig, SchedulerServiceConfig
 from shared.default_model import DEFAULT_MODEL_NAME
 from shared.protocol import (
     OutputBatch,
@@ -43,7 +43,7 @@ from shared.protocol import (
     SubmitRequest,
     decoder,
 )
-from shared.subjects import Subjects
+from shared.subjects import Subjects, shard_prefixes
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN = 128
@@ -65,6 +65,11 @@ class Case:
     num_workers: int
     via: str  # "nats" or "http"
     reqs_per_worker: int
+    shards: int = 1  # scheduler shards, each owning every shards-th worker
+
+    @property
+    def prefixes(self) -> list[str]:
+        return shard_prefixes(DEFAULT_SUBJECT_PREFIX, self.shards)
 
 
 @dataclass
@@ -129,14 +134,17 @@ class Fleet:
                 port=free_port(),
                 scheduler=scheduler,
                 scheduler_service=service,
+                scheduler_shards=case.shards,
             )
         )
-        self.stack.start_scheduler()
+        for shard in range(case.shards):
+            self.stack.start_scheduler(shard)
         argv = [
             sys.executable, "-m", "services.worker.main", "--device", "sim",
             "--count", str(case.num_workers), "--nats-url", self.nats_url,
             "--worker-id", "sim", "--sim-step-base-ms", str(case.step_ms),
             "--max-num-seqs", str(max(case.reqs_per_worker, 1)),
+            "--scheduler-shards", str(case.shards),
         ]  # fmt: skip
         with open(self.log_dir / "sim.log", "ab") as log:
             self.sim = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -159,22 +167,25 @@ class Fleet:
         self.nats.stop()
 
 
-async def wait_workers(nc, count: int, timeout_s: float = 120) -> None:
+async def wait_workers(nc, case: Case, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            stats = await bus.request(
-                nc, Subjects().scheduler_stats, SchedulerStatsRequest(), SchedulerStats, 2
-            )
-            if len(stats.workers) >= count:
+            num_workers = 0
+            for prefix in case.prefixes:
+                stats = await bus.request(
+                    nc, Subjects(prefix).scheduler_stats, SchedulerStatsRequest(), SchedulerStats, 2
+                )
+                num_workers += len(stats.workers)
+            if num_workers >= case.num_workers:
                 return
-        except Exception:  # the scheduler is not up yet
+        except Exception:  # a scheduler is not up yet
             pass
         await asyncio.sleep(0.3)
-    raise TimeoutError(f"{count} workers did not register")
+    raise TimeoutError(f"{case.num_workers} workers did not register")
 
 
-async def observe(nc, window: Window) -> None:
+async def observe(nc, window: Window, prefixes: list[str]) -> None:
     """Count results (busy time per worker) and plans (bytes) while the window is open."""
     timing = decoder(_ResultTiming)
 
@@ -191,17 +202,22 @@ async def observe(nc, window: Window) -> None:
             window.num_plans += 1
             window.plan_bytes += len(msg.data)
 
-    s = Subjects()
-    await nc.subscribe(s.result, cb=on_result)
-    await nc.subscribe(s.plan("*"), cb=on_plan)
+    for prefix in prefixes:
+        s = Subjects(prefix)
+        await nc.subscribe(s.result, cb=on_result)
+        await nc.subscribe(s.plan("*"), cb=on_plan)
 
 
 class NatsLoad:
     """Keeps `concurrency` requests running by submitting a new one whenever one finishes,
-    as a gateway would (submit request-reply, token deltas on its output subject)."""
+    as a gateway would (submit request-reply, token deltas on its output subject), spreading
+    them round-robin over the scheduler shards."""
 
-    def __init__(self, nc, window: Window, concurrency: int, max_tokens: int) -> None:
+    def __init__(
+        self, nc, window: Window, concurrency: int, max_tokens: int, prefixes: list[str]
+    ) -> None:
         self.nc, self.window = nc, window
+        self.subjects = [Subjects(p) for p in prefixes]
         self.concurrency, self.max_tokens = concurrency, max_tokens
         self.rng = random.Random(0)
         self.last_token_at: dict[str, float] = {}
@@ -210,14 +226,14 @@ class NatsLoad:
         self.tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        await bus.subscribe(
-            self.nc, Subjects().output(self.gateway_id), OutputBatch, self._on_output
-        )
+        for subjects in self.subjects:
+            await bus.subscribe(
+                self.nc, subjects.output(self.gateway_id), OutputBatch, self._on_output
+            )
         await asyncio.gather(*(self._submit() for _ in range(self.concurrency)))
 
     async def _submit(self) -> None:
         req_id = f"bench-{self.next_id}"
-        self.next_id += 1
         params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True)
         prompt = [self.rng.randrange(3, VOCAB) for _ in range(PROMPT_LEN)]
         sub = SubmitRequest(
@@ -226,7 +242,9 @@ class NatsLoad:
             prompt_token_ids=prompt,
             sampling_params=params,
         )
-        reply = await bus.request(self.nc, Subjects().submit, sub, SubmitReply, 30)
+        self.next_id += 1
+        subjects = self.subjects[self.next_id % len(self.subjects)]
+        reply = await bus.request(self.nc, subjects.submit, sub, SubmitReply, 30)
         if not reply.accepted:
             raise RuntimeError(f"submit refused: {reply.status} {reply.message}")
 
@@ -299,8 +317,8 @@ async def run_case(fleet: Fleet, case: Case, warmup_s: float, measure_s: float) 
     window = Window()
     http: HttpLoad | None = None
     try:
-        await observe(nc, window)
-        await wait_workers(nc, case.num_workers)
+        await observe(nc, window, case.prefixes)
+        await wait_workers(nc, case)
         concurrency = case.num_workers * case.reqs_per_worker
         max_tokens = int(4 * (warmup_s + measure_s) * 1000 / case.step_ms) + 16  # never ends
         if case.via == "http":
@@ -308,14 +326,14 @@ async def run_case(fleet: Fleet, case: Case, warmup_s: float, measure_s: float) 
             http = HttpLoad(fleet.stack.url, window, concurrency, max_tokens)
             await http.start()
         else:
-            await NatsLoad(nc, window, concurrency, max_tokens).start()
+            await NatsLoad(nc, window, concurrency, max_tokens, case.prefixes).start()
         await asyncio.sleep(warmup_s)
-        scheduler_pid = fleet.stack.procs["scheduler"].pid
-        cpu0, t0 = cpu_seconds(scheduler_pid), time.perf_counter()
+        pids = [p.pid for name, p in fleet.stack.procs.items() if name.startswith("scheduler")]
+        cpu0, t0 = sum(map(cpu_seconds, pids)), time.perf_counter()
         window.open = True
         await asyncio.sleep(measure_s)
         window.open = False
-        wall, cpu = time.perf_counter() - t0, cpu_seconds(scheduler_pid) - cpu0
+        wall, cpu = time.perf_counter() - t0, sum(map(cpu_seconds, pids)) - cpu0
     finally:
         if http is not None:
             await http.stop()
@@ -344,7 +362,7 @@ def summarize(case: Case, w: Window, wall: float, cpu: float) -> Row:
 
 
 HEADER = (
-    "| step ms | K | via | reqs/worker | mode | busy mean | busy min | plans/s | tok/s "
+    "| step ms | K | shards | via | reqs/worker | mode | busy mean | busy min | plans/s | tok/s "
     "| sched CPU µs/step | ITL−step p50 ms | ITL−step p99 ms | plan B | result B |"
 )
 
@@ -352,7 +370,8 @@ HEADER = (
 def table_row(r: Row) -> str:
     c = r.case
     return (
-        f"| {c.step_ms:g} | {c.num_workers} | {c.via} | {c.reqs_per_worker} | {c.mode} "
+        f"| {c.step_ms:g} | {c.num_workers} | {c.shards} | {c.via} | {c.reqs_per_worker} "
+        f"| {c.mode} "
         f"| {r.busy_mean:.1%} | {r.busy_min:.1%} | {r.plans_per_s:,.0f} | {r.tokens_per_s:,.0f} "
         f"| {r.sched_cpu_us_per_step:,.0f} | {r.itl_extra_p50_ms:.2f} | {r.itl_extra_p99_ms:.2f} "
         f"| {r.plan_bytes:,.0f} | {r.result_bytes:,.0f} |"
@@ -368,7 +387,7 @@ def plot(rows: list[Row], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[tuple[str, float], list[Row]] = defaultdict(list)
     for r in rows:
-        if r.case.via == "nats":
+        if r.case.via == "nats" and r.case.shards == 1:
             series[(r.case.mode, r.case.step_ms)].append(r)
     for (mode, step_ms), rs in sorted(series.items()):
         rs.sort(key=lambda r: r.case.num_workers)
@@ -397,19 +416,26 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--reqs-per-worker", type=int, default=64)
     p.add_argument("--http-workers", type=int, nargs="*", default=[1, 4])
+    p.add_argument(
+        "--shards", type=int, nargs="*", default=[2], help="sharded rows at the largest K, async"
+    )
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--measure", type=float, default=4.0)
     p.add_argument("--quick", action="store_true", help="K = 1 and 4, 5 ms only, short windows")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     if args.quick:
-        args.steps_ms, args.workers, args.http_workers = [5.0], [1, 4], [1]
+        args.steps_ms, args.workers, args.http_workers, args.shards = [5.0], [1, 4], [1], [2]
         args.warmup, args.measure = 1.0, 2.0
     cases = [
         Case(mode, step_ms, k, "nats", args.reqs_per_worker)
         for step_ms in args.steps_ms
         for k in args.workers
         for mode in ("sync", "async")
+    ]
+    cases += [
+        Case("async", args.steps_ms[0], max(args.workers), "nats", args.reqs_per_worker, shards)
+        for shards in args.shards
     ]
     cases += [
         Case(mode, args.steps_ms[0], k, "http", min(args.reqs_per_worker, 32))
@@ -455,7 +481,8 @@ def write_report(rows: list[Row], args: argparse.Namespace, out: Path) -> None:
         "",
         "busy: time the simulated device spent in steps / wall time, per worker. ITL−step: "
         "inter-token latency seen by the load generator minus the mean step time. sched CPU: "
-        "the scheduler process's CPU time per plan (schedule, update, codec, NATS I/O).",
+        "the scheduler processes' CPU time per plan (schedule, update, codec, NATS I/O). "
+        "shards > 1: that many schedulers, each owning every shards-th worker.",
         "",
     ]
     (out / "scale.md").write_text("\n".join(lines))

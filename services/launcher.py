@@ -21,6 +21,7 @@ from services.gateway.config import GatewayConfig
 from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig
 from shared.cli_args import setting, to_argv
 from shared.config import SchedulerConfig, SchedulerServiceConfig, WorkerServiceConfig
+from shared.subjects import shard_prefixes
 
 
 def free_port() -> int:
@@ -60,6 +61,9 @@ class StackConfig:
         f"device of every worker; {SIM_DEVICE}: simulated workers, all in one process",
     )
     kv_cache_gib: float = setting(RunnerConfig.kv_cache_gib, "KV cache of each worker, GiB")
+    scheduler_shards: int = setting(
+        1, "scheduler processes; shard i owns workers i, i+N, ... (see docs/architecture.md)"
+    )
     log_dir: str | None = setting(None, "", cli=False)  # None: children log to our stderr
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     scheduler_service: SchedulerServiceConfig = field(default_factory=SchedulerServiceConfig)
@@ -111,13 +115,19 @@ class Stack:
         self._spawn("nats", argv)
         self._wait_port("127.0.0.1", int(port), "nats", 10)
 
-    def start_scheduler(self) -> None:
+    def start_scheduler(self, shard: int = 0) -> None:
+        """Start the scheduler of one shard ("scheduler", or "scheduler-<i>" when sharded)."""
         c = self.config
+        prefix = shard_prefixes(c.subject_prefix, c.scheduler_shards)[shard]
         service = dataclasses.replace(
-            c.scheduler_service, nats_url=self.nats_url, model_name=c.served_model_name
+            c.scheduler_service,
+            nats_url=self.nats_url,
+            model_name=c.served_model_name,
+            subject_prefix=prefix,
         )
         argv = to_argv(service) + to_argv(c.scheduler)
-        self._spawn("scheduler", self._python("services.scheduler.main", *argv))
+        name = "scheduler" if c.scheduler_shards == 1 else f"scheduler-{shard}"
+        self._spawn(name, self._python("services.scheduler.main", *argv))
 
     def start_worker(self, index: int) -> None:
         argv = self._worker_argv(f"worker-{index}")
@@ -137,6 +147,7 @@ class Stack:
             subject_prefix=c.subject_prefix,
             worker_id=worker_id,
             model_name=c.served_model_name,
+            scheduler_shards=c.scheduler_shards,
         )
         runner = RunnerConfig(
             model_dir=c.model_dir,
@@ -157,6 +168,7 @@ class Stack:
             model_dir=c.model_dir,
             served_model_name=c.served_model_name,
             api_key=c.api_key,
+            scheduler_shards=c.scheduler_shards,
         )
         self._spawn("gateway", self._python("services.gateway.main", *to_argv(gateway)))
 
@@ -167,8 +179,9 @@ class Stack:
             if self.config.nats_url is None:
                 say(f"starting nats-server on {self.nats_url}")
                 self.start_nats()
-            say("starting scheduler")
-            self.start_scheduler()
+            for shard in range(self.config.scheduler_shards):
+                say(f"starting scheduler (shard {shard})")
+                self.start_scheduler(shard)
             if self.config.worker_device == SIM_DEVICE:
                 say(f"starting {self.config.num_workers} simulated worker(s)")
                 self.start_sim_workers()
