@@ -22,6 +22,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import httpx
 import msgspec
 
 from services.launcher import Stack, StackConfig, free_port
+from services.worker.config import SimConfig
 from shared import bus
 from shared.config import DEFAULT_SUBJECT_PREFIX, SchedulerConfig, SchedulerServiceConfig
 from shared.default_model import DEFAULT_MODEL_NAME
@@ -56,6 +58,13 @@ class _ResultTiming(msgspec.Struct):
 
     worker_id: str
     execute_s: float
+    idle_s: float
+
+
+class _PlanShape(msgspec.Struct):
+    """The field of a BatchPlan that sets its simulated step time."""
+
+    num_scheduled_tokens: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,7 @@ class Row:
     case: Case
     busy_mean: float
     busy_min: float
+    step_lag_ms: float
     plans_per_s: float
     sched_cpu_us_per_step: float
     itl_extra_p50_ms: float
@@ -90,7 +100,8 @@ class Row:
 class Window:
     """What the subscriptions saw between `start` and `stop`."""
 
-    busy_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    idle_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per worker
+    device_s: list[float] = field(default_factory=list)  # modelled time of each plan
     num_results: int = 0
     result_bytes: int = 0
     num_plans: int = 0
@@ -185,24 +196,29 @@ async def wait_workers(nc, case: Case, timeout_s: float = 120) -> None:
     raise TimeoutError(f"{case.num_workers} workers did not register")
 
 
-async def observe(nc, window: Window, prefixes: list[str]) -> None:
-    """Count results (busy time per worker) and plans (bytes) while the window is open."""
-    timing = decoder(_ResultTiming)
+async def observe(nc, window: Window, case: Case) -> None:
+    """While the window is open: each worker's idle time waiting for plans (from its
+    results), the modelled device time of every plan, and plan and result sizes."""
+    timing, shape = decoder(_ResultTiming), decoder(_PlanShape)
+    sim = SimConfig(step_base_ms=case.step_ms)
 
     async def on_result(msg) -> None:
         if window.open:
             t = timing.decode(msg.data)
-            window.busy_s[t.worker_id] += t.execute_s
+            window.idle_s[t.worker_id] += t.idle_s
             window.execute_s.append(t.execute_s)
             window.num_results += 1
             window.result_bytes += len(msg.data)
 
     async def on_plan(msg) -> None:
         if window.open:
+            tokens = shape.decode(msg.data).num_scheduled_tokens
+            device_s = sim.step_time_s(sum(tokens.values()), len(tokens))
+            window.device_s.append(device_s)
             window.num_plans += 1
             window.plan_bytes += len(msg.data)
 
-    for prefix in prefixes:
+    for prefix in case.prefixes:
         s = Subjects(prefix)
         await nc.subscribe(s.result, cb=on_result)
         await nc.subscribe(s.plan("*"), cb=on_plan)
@@ -317,7 +333,7 @@ async def run_case(fleet: Fleet, case: Case, warmup_s: float, measure_s: float) 
     window = Window()
     http: HttpLoad | None = None
     try:
-        await observe(nc, window, case.prefixes)
+        await observe(nc, window, case)
         await wait_workers(nc, case)
         concurrency = case.num_workers * case.reqs_per_worker
         max_tokens = int(4 * (warmup_s + measure_s) * 1000 / case.step_ms) + 16  # never ends
@@ -343,14 +359,16 @@ async def run_case(fleet: Fleet, case: Case, warmup_s: float, measure_s: float) 
 
 
 def summarize(case: Case, w: Window, wall: float, cpu: float) -> Row:
-    busy = [b / wall for b in w.busy_s.values()]
+    busy = [1 - idle / wall for idle in w.idle_s.values()]
     busy += [0.0] * (case.num_workers - len(busy))  # a worker that never ran a step
-    step = statistics.fmean(w.execute_s) if w.execute_s else 0.0
+    step = statistics.fmean(w.device_s) if w.device_s else 0.0
+    lag = statistics.fmean(w.execute_s) - step if w.execute_s else float("nan")
     extra = sorted(x - step for x in w.itl_s) or [float("nan")]
     return Row(
         case=case,
         busy_mean=statistics.fmean(busy),
         busy_min=min(busy),
+        step_lag_ms=lag * 1e3,
         plans_per_s=w.num_results / wall,
         sched_cpu_us_per_step=cpu / max(w.num_results, 1) * 1e6,
         itl_extra_p50_ms=extra[len(extra) // 2] * 1e3,
@@ -362,7 +380,8 @@ def summarize(case: Case, w: Window, wall: float, cpu: float) -> Row:
 
 
 HEADER = (
-    "| step ms | K | shards | via | reqs/worker | mode | busy mean | busy min | plans/s | tok/s "
+    "| step ms | K | shards | via | reqs/worker | mode | busy mean | busy min | step lag ms "
+    "| plans/s | tok/s "
     "| sched CPU µs/step | ITL−step p50 ms | ITL−step p99 ms | plan B | result B |"
 )
 
@@ -372,7 +391,8 @@ def table_row(r: Row) -> str:
     return (
         f"| {c.step_ms:g} | {c.num_workers} | {c.shards} | {c.via} | {c.reqs_per_worker} "
         f"| {c.mode} "
-        f"| {r.busy_mean:.1%} | {r.busy_min:.1%} | {r.plans_per_s:,.0f} | {r.tokens_per_s:,.0f} "
+        f"| {r.busy_mean:.1%} | {r.busy_min:.1%} | {r.step_lag_ms:.2f} "
+        f"| {r.plans_per_s:,.0f} | {r.tokens_per_s:,.0f} "
         f"| {r.sched_cpu_us_per_step:,.0f} | {r.itl_extra_p50_ms:.2f} | {r.itl_extra_p99_ms:.2f} "
         f"| {r.plan_bytes:,.0f} | {r.result_bytes:,.0f} |"
     )
@@ -443,8 +463,8 @@ def main() -> None:
         for mode in ("sync", "async")
     ]
     args.out.mkdir(parents=True, exist_ok=True)
-    log_dir = args.out / "scale-logs"
-    log_dir.mkdir(exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="skiff-scale-"))
+    print(f"service logs: {log_dir}", flush=True)
     fleet = Fleet(log_dir)
     rows: list[Row] = []
     print(HEADER, flush=True)
@@ -479,8 +499,11 @@ def write_report(rows: list[Row], args: argparse.Namespace, out: Path) -> None:
         "|" + "---|" * (HEADER.count("|") - 1),
         *[table_row(r) for r in rows],
         "",
-        "busy: time the simulated device spent in steps / wall time, per worker. ITL−step: "
-        "inter-token latency seen by the load generator minus the mean step time. sched CPU: "
+        "busy: 1 − the time each worker sat waiting for its next plan / wall time (what the "
+        "worker reports as `idle_s` with each result). step lag: a step's wall time on the "
+        "simulated worker minus its modelled "
+        "time (the simulator's host falling behind). ITL−step: inter-token latency seen by "
+        "the load generator minus the mean modelled step time. sched CPU: "
         "the scheduler processes' CPU time per plan (schedule, update, codec, NATS I/O). "
         "shards > 1: that many schedulers, each owning every shards-th worker.",
         "",

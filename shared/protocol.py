@@ -85,6 +85,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     logprobs: list[TokenLogprobs | None] = []
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
     execute_s: float = 0.0  # the worker's time for this step (telemetry for overhead breakdown)
+    # How long the worker sat idle waiting for this plan after its previous step (0 when the
+    # plan was already queued): the device time the scheduler's round trip cost.
+    idle_s: float = 0.0
     version: int = PROTOCOL_VERSION
 
 

@@ -54,6 +54,12 @@ class SchedulerMetrics:
             buckets=STEP_BUCKETS,
             registry=r,
         )
+        self.worker_idle_seconds = Counter(
+            "skiff_worker_idle_seconds",
+            "Time a worker waited for its next plan: no work, or the scheduler's round trip.",
+            ["worker_id"],
+            registry=r,
+        )
         self.schedule_seconds = Histogram(
             "skiff_schedule_seconds",
             "CPU time of one schedule() + update() pair.",

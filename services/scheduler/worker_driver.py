@@ -101,6 +101,7 @@ class WorkerDriver:
             wid = self.worker.worker_id
             self._metrics.step_seconds.labels(wid).observe(time.perf_counter() - step.published_at)
             self._metrics.execute_seconds.labels(wid).observe(output.execute_s)
+            self._metrics.worker_idle_seconds.labels(wid).inc(output.idle_s)
             t0 = time.perf_counter()
             outputs = core.update(output)
             await self._on_outputs(outputs)

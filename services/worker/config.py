@@ -72,3 +72,10 @@ class SimConfig:
                 raise ValueError(f"sim_{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.eos_rate <= 1.0:
             raise ValueError(f"sim_eos_rate must be in [0, 1], got {self.eos_rate}")
+
+    def step_time_s(self, num_scheduled_tokens: int, num_reqs: int) -> float:
+        """How long a step of this size holds the simulated device (0 for an empty plan)."""
+        if not num_reqs:
+            return 0.0
+        variable_us = self.per_token_us * num_scheduled_tokens + self.per_req_us * num_reqs
+        return self.step_base_ms * 1e-3 + variable_us * 1e-6

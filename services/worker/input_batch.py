@@ -7,10 +7,12 @@ token); `condense` fills holes left by removed requests so rows stay dense.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Self, TypeVar
 
 import numpy as np
 
 from services.worker.sampling_columns import SamplingColumns
+from shared.protocol import BatchPlan, NewRequestData
 from shared.sampling_params import SamplingParams
 
 
@@ -30,6 +32,20 @@ class CachedRequestState:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> Self:
+        return cls(
+            req_id=new.req_id,
+            prompt_token_ids=new.prompt_token_ids,
+            sampling_params=new.sampling_params,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            output_token_ids=list(new.output_token_ids),
+        )
+
+
+S = TypeVar("S", bound=CachedRequestState)
 
 
 class InputBatch:
@@ -106,3 +122,32 @@ class InputBatch:
         self.num_blocks[dst] = nb
         self.block_table[dst, :nb] = self.block_table[src, :nb]
         self.sampling.move(src, dst)
+
+
+def apply_plan_diff(
+    batch: InputBatch, requests: dict[str, S], plan: BatchPlan, state_cls: type[S]
+) -> None:
+    """Apply a plan's diff to a runner's requests and persistent batch, in the order a step
+    needs: finished and preempted rows out, holes filled, new requests in, then the cached
+    ones' new blocks and computed counts (a resumed one gets its block table anew)."""
+    for req_id in plan.finished_req_ids:
+        requests.pop(req_id, None)
+        batch.remove_request(req_id)
+    for req_id in plan.preempted_req_ids:
+        batch.remove_request(req_id)
+    batch.condense()
+    for new in plan.new_reqs:
+        state = state_cls.from_new(new)
+        requests[new.req_id] = state
+        batch.add_request(state)
+    for cached in plan.cached_reqs:
+        state = requests[cached.req_id]
+        state.num_computed_tokens = cached.num_computed_tokens
+        if cached.resumed:
+            state.block_ids = list(cached.new_block_ids)
+            batch.add_request(state)
+            continue
+        state.block_ids.extend(cached.new_block_ids)
+        row = batch.req_id_to_index[cached.req_id]
+        batch.append_block_ids(row, cached.new_block_ids)
+        batch.num_computed_tokens[row] = cached.num_computed_tokens

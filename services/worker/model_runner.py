@@ -11,7 +11,7 @@ import torch
 from services.worker.attention import AttentionMetadata, get_attention_backend
 from services.worker.config import RunnerConfig
 from services.worker.cuda_graphs import DecodeGraphs
-from services.worker.input_batch import CachedRequestState, InputBatch
+from services.worker.input_batch import CachedRequestState, InputBatch, apply_plan_diff
 from services.worker.loader import load_model
 from services.worker.model_config import ModelConfig
 from services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -103,34 +103,7 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def _update_states(self, plan: BatchPlan) -> None:
-        for req_id in plan.finished_req_ids:
-            self.requests.pop(req_id, None)
-            self.batch.remove_request(req_id)
-        for req_id in plan.preempted_req_ids:
-            self.batch.remove_request(req_id)
-        self.batch.condense()
-        for new in plan.new_reqs:
-            state = CachedRequestState(
-                req_id=new.req_id,
-                prompt_token_ids=new.prompt_token_ids,
-                sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                output_token_ids=list(new.output_token_ids),
-            )
-            self.requests[new.req_id] = state
-            self.batch.add_request(state)
-        for cached in plan.cached_reqs:
-            state = self.requests[cached.req_id]
-            state.num_computed_tokens = cached.num_computed_tokens
-            if cached.resumed:
-                state.block_ids = list(cached.new_block_ids)
-                self.batch.add_request(state)
-                continue
-            state.block_ids.extend(cached.new_block_ids)
-            row = self.batch.req_id_to_index[cached.req_id]
-            self.batch.append_block_ids(row, cached.new_block_ids)
-            self.batch.num_computed_tokens[row] = cached.num_computed_tokens
+        apply_plan_diff(self.batch, self.requests, plan, CachedRequestState)
 
     def _prepare_inputs(self, plan: BatchPlan) -> StepInputs:
         batch, bs = self.batch, self.config.block_size

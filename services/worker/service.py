@@ -113,7 +113,9 @@ class WorkerService:
 
     async def _execute_loop(self) -> None:
         while True:
+            waiting_since = time.perf_counter()
             plan = await self._plans.get()
+            idle_s = time.perf_counter() - waiting_since
             if plan.worker_session == self._failed_session:
                 continue  # planned before our failure was known (async scheduling)
             if plan.worker_session != self.worker_session:
@@ -135,6 +137,7 @@ class WorkerService:
                 continue
             output.worker_id = self.config.worker_id
             output.execute_s = time.perf_counter() - start
+            output.idle_s = idle_s
             await bus.publish(self.nc, self.subjects.result, output)
 
     async def _heartbeat(self) -> None:

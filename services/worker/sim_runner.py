@@ -19,12 +19,13 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
 from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig
-from services.worker.input_batch import CachedRequestState, InputBatch
-from shared.protocol import BatchPlan, ModelRunnerOutput, TokenLogprobs
+from services.worker.input_batch import CachedRequestState, InputBatch, apply_plan_diff
+from shared.protocol import BatchPlan, ModelRunnerOutput, NewRequestData, TokenLogprobs
 
 # KV cache of one H200 serving an 8B model. Llama-3-8B stores K and V for 32 layers x 8 KV heads
 # x 128 dims in bf16: 128 KiB per token. 141 GB x 0.9 (vLLM's gpu_memory_utilization) is
@@ -65,6 +66,12 @@ class ModelInfo:
 @dataclass
 class SimRequestState(CachedRequestState):
     key: int = 0  # what the request's tokens derive from (request_key)
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> Self:
+        state = super().from_new(new)
+        state.key = request_key(new.req_id, new.sampling_params.seed)
+        return state
 
 
 def request_key(req_id: str, seed: int | None) -> int:
@@ -146,13 +153,8 @@ class SimRunner:
 
     def step_time_s(self, plan: BatchPlan) -> float:
         """How long the plan holds the simulated device."""
-        if not plan.num_scheduled_tokens:
-            return 0.0
-        s = self.sim
-        num_tokens = sum(plan.num_scheduled_tokens.values())
-        num_reqs = len(plan.num_scheduled_tokens)
-        variable_us = s.per_token_us * num_tokens + s.per_req_us * num_reqs
-        return s.step_base_ms * 1e-3 + variable_us * 1e-6
+        tokens = plan.num_scheduled_tokens
+        return self.sim.step_time_s(sum(tokens.values()), len(tokens))
 
     async def step(self, plan: BatchPlan) -> ModelRunnerOutput:
         """Execute the plan, then hold the device until its modelled time has passed; other
@@ -166,7 +168,7 @@ class SimRunner:
     # ---- the step, as ModelRunner.execute without the model ---------------------------------
 
     def execute(self, plan: BatchPlan) -> ModelRunnerOutput:
-        self._update_states(plan)
+        apply_plan_diff(self.batch, self.requests, plan, SimRequestState)
         if not plan.num_scheduled_tokens:
             return ModelRunnerOutput(step_id=plan.step_id)
         batch = self.batch
@@ -181,37 +183,6 @@ class SimRunner:
         output = self._write_back(plan.step_id, req_ids, rows, sampling)
         output.prompt_logprobs = prompt_logprobs
         return output
-
-    def _update_states(self, plan: BatchPlan) -> None:
-        for req_id in plan.finished_req_ids:
-            self.requests.pop(req_id, None)
-            self.batch.remove_request(req_id)
-        for req_id in plan.preempted_req_ids:
-            self.batch.remove_request(req_id)
-        self.batch.condense()
-        for new in plan.new_reqs:
-            state = SimRequestState(
-                req_id=new.req_id,
-                prompt_token_ids=new.prompt_token_ids,
-                sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                output_token_ids=list(new.output_token_ids),
-                key=request_key(new.req_id, new.sampling_params.seed),
-            )
-            self.requests[new.req_id] = state
-            self.batch.add_request(state)
-        for cached in plan.cached_reqs:
-            state = self.requests[cached.req_id]
-            state.num_computed_tokens = cached.num_computed_tokens
-            if cached.resumed:
-                state.block_ids = list(cached.new_block_ids)
-                self.batch.add_request(state)
-                continue
-            state.block_ids.extend(cached.new_block_ids)
-            row = self.batch.req_id_to_index[cached.req_id]
-            self.batch.append_block_ids(row, cached.new_block_ids)
-            self.batch.num_computed_tokens[row] = cached.num_computed_tokens
 
     def _check(self, req_ids: list[str], rows: np.ndarray, seq_lens: np.ndarray) -> None:
         """What ModelRunner would compute on garbage: tokens it does not know, or KV slots

@@ -22,13 +22,14 @@ class Harness:
         self.publisher = FakePublisher()
         self.outputs: list[RequestOutput] = []
         self.stalled: list[WorkerHandle] = []
+        self.metrics = SchedulerMetrics("m")
         self.driver = WorkerDriver(
             self.worker,
             publish=self.publisher,
             plan_subject="plan",
             epoch="e",
             step_timeout_s=step_timeout_s,
-            metrics=SchedulerMetrics("m"),
+            metrics=self.metrics,
             on_outputs=self.on_outputs,
             on_stall=self.stalled.append,
         )
@@ -113,7 +114,9 @@ def test_async_keeps_two_plans_in_flight_and_drops_tokens_past_a_stop():
         h.driver.on_result(result(first, token=2))  # EOS: "a" stops while second runs
         third = await h.next_plan(3)
         assert third.finished_req_ids == ["a"] and not third.num_scheduled_tokens
-        h.driver.on_result(result(second, token=4))  # the extra token: dropped
+        late = result(second, token=4)  # the extra token: dropped
+        late.idle_s = 0.25  # the worker waited for this plan
+        h.driver.on_result(late)
         h.driver.on_result(result(third))
         await asyncio.sleep(0.01)
         h.driver.stop()
@@ -121,6 +124,10 @@ def test_async_keeps_two_plans_in_flight_and_drops_tokens_past_a_stop():
 
     h = asyncio.run(run())
     assert [(o.new_token_ids, o.finish_reason) for o in h.outputs] == [([2], FinishReason.STOP)]
+    idle = h.metrics.registry.get_sample_value(
+        "skiff_worker_idle_seconds_total", {"worker_id": "w0"}
+    )
+    assert idle == 0.25
     assert len(h.publisher.sent) == 3 and h.stalled == []
 
 

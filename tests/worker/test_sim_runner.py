@@ -271,6 +271,7 @@ def test_service_runs_sim_steps_on_the_loop_and_resets_on_a_bad_plan(model_dir, 
         out = await asyncio.wait_for(results.get(), 5)
         assert out.worker_id == "sim-0" and len(out.sampled_token_ids[0]) == 1
         assert out.execute_s >= 0.02
+        assert out.idle_s > 0  # it waited for this plan since it started
         bad = plan(2, {"x": 1}, cached_reqs=[cached("x", 0)], worker_session="s")
         await bus.publish(nc, subjects.plan("sim-0"), bad)
         again = await asyncio.wait_for(hellos.get(), 5)
