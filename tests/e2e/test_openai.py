@@ -8,32 +8,15 @@ import json
 import time
 
 import httpx
-import msgspec
 import pytest
 from openai import OpenAI
 
 from bench.workload import QUESTIONS, token_prompts
 from services.offline import SamplingParams
-from shared import bus
-from shared.protocol import SchedulerStats, SchedulerStatsRequest
-from shared.subjects import Subjects
 from shared.tokenizer import Tokenizer
+from tests.e2e.stats import scheduler_stats
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def scheduler_stats(stack) -> dict:
-    async def ask():
-        nc = await bus.connect(stack.nats_url, "test-stats")
-        try:
-            stats = await bus.request(
-                nc, Subjects().scheduler_stats, SchedulerStatsRequest(), SchedulerStats, 5
-            )
-            return msgspec.to_builtins(stats)
-        finally:
-            await nc.drain()
-
-    return asyncio.run(ask())
 
 
 def wait_idle(stack, timeout_s: float = 60) -> dict:

@@ -11,15 +11,13 @@ import threading
 import time
 import urllib.request
 
-import msgspec
 import pytest
 from openai import AsyncOpenAI
 
 from services.worker.config import SimConfig
-from shared import bus
 from shared.config import DEFAULT_SUBJECT_PREFIX
-from shared.protocol import SchedulerStats, SchedulerStatsRequest
-from shared.subjects import Subjects, shard_prefixes
+from shared.subjects import shard_prefixes
+from tests.e2e.stats import scheduler_stats
 from tests.e2e.test_sim_worker import MODEL, PROMPT, expected_tokens
 
 NUM_SHARDS, NUM_WORKERS = 2, 4
@@ -40,21 +38,7 @@ def sharded(launch_stack):
 
 
 def shard_stats(stack) -> list[dict]:
-    async def ask():
-        nc = await bus.connect(stack.nats_url, "test-stats")
-        try:
-            return [
-                msgspec.to_builtins(
-                    await bus.request(
-                        nc, Subjects(p).scheduler_stats, SchedulerStatsRequest(), SchedulerStats, 5
-                    )
-                )
-                for p in shard_prefixes(DEFAULT_SUBJECT_PREFIX, NUM_SHARDS)
-            ]
-        finally:
-            await nc.drain()
-
-    return asyncio.run(ask())
+    return [scheduler_stats(stack, p) for p in shard_prefixes(DEFAULT_SUBJECT_PREFIX, NUM_SHARDS)]
 
 
 def wait_for_workers(stack) -> list[dict]:

@@ -12,18 +12,15 @@ import asyncio
 import time
 
 import httpx
-import msgspec
 import numpy as np
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from services.worker.config import SimConfig
 from services.worker.sim_runner import SIM_KV_CACHE_TOKENS, ModelInfo, request_key, sample_tokens
-from shared import bus
 from shared.config import DEFAULT_BLOCK_SIZE
-from shared.protocol import SchedulerStats, SchedulerStatsRequest
-from shared.subjects import Subjects
 from shared.tokenizer import Tokenizer
+from tests.e2e.stats import scheduler_stats
 
 MODEL = "SmolLM2-135M-Instruct"
 NUM_WORKERS = 4
@@ -60,20 +57,6 @@ def expected_tokens(
     keys = np.full(n, request_key("", seed), dtype=np.uint64)
     positions = prompt_len + np.arange(n)
     return sample_tokens(keys, positions, np.arange(n) >= min_tokens, info, SIM.eos_rate).tolist()
-
-
-def scheduler_stats(stack) -> dict:
-    async def ask():
-        nc = await bus.connect(stack.nats_url, "test-stats")
-        try:
-            stats = await bus.request(
-                nc, Subjects().scheduler_stats, SchedulerStatsRequest(), SchedulerStats, 5
-            )
-            return msgspec.to_builtins(stats)
-        finally:
-            await nc.drain()
-
-    return asyncio.run(ask())
 
 
 def test_one_process_serves_every_simulated_worker(sim_stack, client):
