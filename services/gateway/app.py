@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from services.gateway import chat, completions, tokenization
-from services.gateway.config import DEFAULT_MAX_BODY_BYTES
+from services.gateway.config import DEFAULT_MAX_BODY_BYTES, GatewayConfig
 from services.gateway.context import GatewayContext
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import error_response, install_error_handlers
@@ -44,11 +44,15 @@ def create_app(
     api_key: str | None = None,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = GatewayConfig.body_timeout,
+    tokenizer_concurrency: int = GatewayConfig.tokenizer_concurrency,
+    keepalive_interval: float = 0.0,
     model_root: str | None = None,
 ) -> FastAPI:
     """Build the app. `max_model_len=None` takes the context length from the scheduler's
-    heartbeat. The shared state is `app.state.gateway` (a `GatewayContext`); set its
-    `draining` to make /health fail and new requests get 503 during shutdown."""
+    heartbeat. `keepalive_interval` > 0 sends an SSE comment on streams that wait that long for
+    tokens. The shared state is `app.state.gateway` (a `GatewayContext`); set its `draining` to
+    make /health fail and new requests get 503 during shutdown."""
     metrics = GatewayMetrics(served_model_name, engine_client)
     ctx = GatewayContext(
         engine_client,
@@ -57,6 +61,8 @@ def create_app(
         metrics,
         configured_max_model_len=max_model_len,
         model_root=model_root,
+        tokenizer_concurrency=tokenizer_concurrency,
+        keepalive_interval=keepalive_interval,
     )
     app = FastAPI(
         title="skiff gateway",
@@ -68,7 +74,9 @@ def create_app(
     for module in (completions, chat, tokenization):
         app.include_router(module.router(ctx))
     app.include_router(_service_router(ctx))
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, max_body_bytes=max_body_bytes, body_timeout=body_timeout
+    )
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)  # outermost

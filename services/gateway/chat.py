@@ -13,7 +13,12 @@ from services.gateway.errors import APIError
 from services.gateway.generation import Generation
 from services.gateway.logprobs import chat_logprobs, prompt_logprobs_body
 from services.gateway.protocol import ChatCompletionRequest
-from services.gateway.sampling import api_field_names, build_sampling_params, stop_strings
+from services.gateway.sampling import (
+    api_field_names,
+    build_sampling_params,
+    check_sizes,
+    stop_strings,
+)
 from services.gateway.serving import (
     Payload,
     check_num_choices,
@@ -45,17 +50,17 @@ def router(ctx: GatewayContext) -> APIRouter:
         ctx.check_model(body.model)
         check_num_choices(1, body.n)
         num_top = _num_top_logprobs(body)
+        max_model_len = ctx.max_model_len()
+        check_sizes(body, ctx.encoder)
         text = ctx.render_chat(
             body.messages, body.add_generation_prompt, body.continue_final_message
         )
-        prompt_ids = await ctx.encode(text, body.add_special_tokens)
+        prompt_ids = await ctx.encode(text, body.add_special_tokens, "messages")
         requested, field = body.max_completion_tokens, "max_completion_tokens"
         if requested is None:
             requested, field = body.max_tokens, "max_tokens"
         with api_field_names({"max_tokens": field, "logprobs": "top_logprobs"}):
-            max_tokens = resolve_max_tokens(
-                requested, len(prompt_ids), ctx.max_model_len(), "messages"
-            )
+            max_tokens = resolve_max_tokens(requested, len(prompt_ids), max_model_len, "messages")
             params = build_sampling_params(
                 body,
                 ctx.tokenizer,

@@ -15,7 +15,7 @@ from services.gateway.errors import APIError
 from services.gateway.generation import Generation
 from services.gateway.logprobs import completion_logprobs, prompt_logprobs_body
 from services.gateway.protocol import CompletionRequest
-from services.gateway.sampling import build_sampling_params, stop_strings
+from services.gateway.sampling import build_sampling_params, check_sizes, stop_strings
 from services.gateway.serving import (
     Payload,
     check_num_choices,
@@ -26,7 +26,7 @@ from services.gateway.serving import (
     usage,
 )
 from services.gateway.sse import EventStreamResponse
-from shared.sampling_params import check_token_ids, resolve_max_tokens
+from shared.sampling_params import check_prompt_fits, check_token_ids, resolve_max_tokens
 
 
 @dataclass
@@ -36,16 +36,19 @@ class Prompt:
 
 
 async def _prompts(ctx: GatewayContext, body: CompletionRequest) -> list[Prompt]:
+    """The prompts, each bounded by the context length before it is tokenized or decoded."""
     raw = body.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]  # type: ignore[list-item]
     if not raw:
         raise APIError(400, "prompt must not be empty", "prompt")
+    check_num_choices(len(raw), body.n)
     prompts = []
     for item in raw:
         if isinstance(item, str):
-            prompts.append(Prompt(item, await ctx.encode(item, body.add_special_tokens)))
+            prompts.append(Prompt(item, await ctx.encode(item, body.add_special_tokens, "prompt")))
         else:
+            check_prompt_fits(len(item), ctx.max_model_len())
             check_token_ids(item, ctx.tokenizer.vocab_size, "prompt")
             prompts.append(Prompt(ctx.tokenizer.decode(item, skip_special_tokens=False), item))
     return prompts
@@ -119,9 +122,9 @@ def router(ctx: GatewayContext) -> APIRouter:
         ctx.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not currently supported", "suffix")
-        prompts = await _prompts(ctx, body)
-        check_num_choices(len(prompts), body.n)
         max_model_len = ctx.max_model_len()
+        check_sizes(body, ctx.encoder)
+        prompts = await _prompts(ctx, body)
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = body.logprobs

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.cli_args import setting
-from shared.config import DEFAULT_LOG_LEVEL, DEFAULT_NATS_URL, DEFAULT_SUBJECT_PREFIX
+from shared.config import DEFAULT_LOG_LEVEL, DEFAULT_SUBJECT_PREFIX, NatsClientConfig
 from shared.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from shared.subjects import SUBJECT_PREFIX, SUBJECT_TOKEN
 
@@ -14,13 +14,12 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(NatsClientConfig):
     """The gateway: HTTP, its model's tokenizer, and its NATS link to the scheduler shards."""
 
-    nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")
     subject_prefix: str = setting(DEFAULT_SUBJECT_PREFIX, "prefix of every NATS subject")
     scheduler_shards: int = setting(1, "scheduler shards to spread requests over")
-    host: str = setting("0.0.0.0", "HTTP listen address")
+    host: str = setting("127.0.0.1", "HTTP listen address (0.0.0.0: every interface)")
     port: int = setting(8000, "HTTP port")
     model_dir: str | None = setting(
         None, "model directory with tokenizer.json (default: the embedded model)"
@@ -31,6 +30,23 @@ class GatewayConfig:
     max_model_len: int | None = setting(None, "context length (default: the scheduler's)")
     max_body_bytes: int = setting(DEFAULT_MAX_BODY_BYTES, "largest request body accepted")
     drain_timeout: float = setting(30.0, "on SIGTERM, seconds in-flight streams may finish")
+    scheduler_timeout: float = setting(
+        10.0,
+        "seconds a request waits for a scheduler (a new one for a new request, its shard's "
+        "heartbeat for one in flight) before it fails with 503",
+    )
+    heartbeat_timeout: float = setting(
+        1.5, "a scheduler shard silent this long is unavailable (/health 503)"
+    )
+    keepalive_interval: float = setting(
+        10.0, "SSE comment sent on a stream that waits this long for tokens (0: never)"
+    )
+    header_timeout: float = setting(
+        10.0, "seconds a client may take to send a request's headers (or to send anything)"
+    )
+    body_timeout: float = setting(30.0, "seconds a client may take to send a request's body")
+    limit_concurrency: int = setting(4096, "open connections and requests; past it, 503")
+    tokenizer_concurrency: int = setting(2, "long prompts tokenized at once (in threads)")
     model_wait_timeout: float = setting(0.0, "wait this long for the tokenizer files to appear")
     log_level: str = setting(DEFAULT_LOG_LEVEL, "DEBUG, INFO, WARNING or ERROR")
 
@@ -41,8 +57,13 @@ class GatewayConfig:
             raise ValueError("scheduler_shards must be >= 1")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
-        if self.drain_timeout < 0 or self.model_wait_timeout < 0:
+        if min(self.drain_timeout, self.model_wait_timeout, self.keepalive_interval) < 0:
             raise ValueError("timeouts must be >= 0")
+        timeouts = (self.scheduler_timeout, self.heartbeat_timeout, self.header_timeout)
+        if min(*timeouts, self.body_timeout) <= 0:
+            raise ValueError("scheduler, heartbeat, header and body timeouts must be > 0")
+        if min(self.limit_concurrency, self.tokenizer_concurrency) < 1:
+            raise ValueError("limit_concurrency and tokenizer_concurrency must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
         if self.gateway_id is not None and not SUBJECT_TOKEN.fullmatch(self.gateway_id):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -11,10 +10,9 @@ import jinja2
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.prompt_encoder import PromptEncoder
 from services.gateway.protocol import ChatMessage
 from shared.tokenizer import Tokenizer
-
-_THREAD_ENCODE_CHARS = 8192  # encode longer texts off the event loop
 
 
 @dataclass
@@ -25,8 +23,14 @@ class GatewayContext:
     metrics: GatewayMetrics
     configured_max_model_len: int | None = None
     model_root: str | None = None
+    tokenizer_concurrency: int = 2
+    keepalive_interval: float = 0.0  # seconds; 0: no SSE keepalive comments
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    encoder: PromptEncoder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.encoder = PromptEncoder(self.tokenizer, self.max_model_len, self.tokenizer_concurrency)
 
     def max_model_len(self) -> int:
         """The configured context length, else the one the scheduler announced."""
@@ -45,10 +49,10 @@ class GatewayContext:
         if self.draining:
             raise APIError(503, "the gateway is shutting down")
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if len(text) > _THREAD_ENCODE_CHARS:
-            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
-        return self.tokenizer.encode(text, add_special_tokens)
+    async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of client text; a text that cannot fit the context is a 400 (see
+        `PromptEncoder`)."""
+        return await self.encoder.encode(text, add_special_tokens, param)
 
     def render_chat(
         self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool
@@ -61,6 +65,8 @@ class GatewayContext:
                 "continue_final_message",
             )
         conversation = [_message_dict(m) for m in messages]
+        chars = sum(len(v) for m in conversation for v in m.values())
+        self.encoder.check_chars(chars, "messages", "messages")
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
         except (jinja2.TemplateError, ValueError) as e:

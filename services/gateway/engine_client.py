@@ -61,9 +61,9 @@ class NatsEngineClient:
         subject_prefix: str = DEFAULT_SUBJECT_PREFIX,
         num_shards: int = 1,
         submit_timeout: float = 5.0,
-        heartbeat_timeout: float = 3.0,
-        orphan_timeout: float = 60.0,
-        resubmit_timeout: float = 60.0,
+        heartbeat_timeout: float = 1.5,
+        orphan_timeout: float = 10.0,
+        resubmit_timeout: float = 10.0,
     ) -> None:
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         if not SUBJECT_TOKEN.fullmatch(self.gateway_id):
@@ -109,10 +109,7 @@ class NatsEngineClient:
         return len(self.requests)
 
     async def submit(self, request: SubmitRequest) -> RequestStream:
-        if not self.connected:
-            raise EngineError(503, "the gateway is not connected to NATS")
-        if not self.ready:
-            raise EngineError(503, "no scheduler with ready workers is available")
+        """Waits up to `resubmit_timeout` for a scheduler shard to take the request."""
         request = msgspec.structs.replace(request, gateway_id=self.gateway_id)
         return await self.requests.submit(request)
 

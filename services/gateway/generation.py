@@ -86,8 +86,11 @@ class Generation:
             extra={"engine_req_ids": [s.req_id for s in streams]},
         )
 
-    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
-        """Updates of all choices, interleaved; raises APIError if the engine loses one."""
+    async def updates(
+        self, idle_timeout: float | None = None
+    ) -> AsyncIterator[ChoiceUpdate | None]:
+        """Updates of all choices, interleaved; raises APIError if the engine loses one. With
+        `idle_timeout`, None is yielded whenever no update came for that long."""
         queue: asyncio.Queue[ChoiceUpdate | EngineError] = asyncio.Queue()
         pumps = [
             asyncio.create_task(self._pump(c, s, t, queue))
@@ -96,7 +99,11 @@ class Generation:
         try:
             remaining = len(pumps)
             while remaining:
-                item = await queue.get()
+                try:
+                    item = await asyncio.wait_for(queue.get(), idle_timeout)
+                except TimeoutError:
+                    yield None
+                    continue
                 if isinstance(item, EngineError):
                     raise APIError(item.status, item.message)
                 remaining -= item.finish_reason is not None

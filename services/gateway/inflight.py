@@ -2,15 +2,19 @@
 streams, and moving requests whose deltas may have been lost.
 
 A new request goes to the least loaded available shard (`Shards.choose`); a shard that answers
-429 or 503 hands it to the next one, once. Every in-flight request remembers its shard and the
+429 hands it to the next one, once. While no shard is available, or they answer 503 (not ready,
+gone), it waits for the next heartbeat and tries again, for up to `resubmit_timeout`: a
+scheduler that restarts or hands over to the next one delays new requests, it does not fail
+them. Every in-flight request remembers its shard and the
 tokens it received. When its shard's scheduler restarts (new epoch), or for every request when
 our own NATS connection comes back or NATS drops messages for us, a request accepted by a shard
 *moves*: its engine id is dropped and aborted on its shard, and it is resubmitted to the least
 loaded shard under a fresh id (`<req_id>.<attempt>`, fresh for every try) as a continuation
 carrying `output_token_ids`, so the client's stream goes on. A fresh id means no scheduler ever
 sees the same id twice and no request is held by two shards: late deltas of an old id are
-simply not routed. If a shard sends no heartbeat for `orphan_timeout` seconds, the streams of
-its requests fail with 503.
+simply not routed. A shard whose scheduler announces that it is leaving moves its requests at
+once. If a shard sends no heartbeat for `orphan_timeout` seconds, the streams of its requests
+fail with 503.
 """
 
 from __future__ import annotations
@@ -96,7 +100,8 @@ class InFlightRequests:
     async def submit(self, request: SubmitRequest) -> RequestStream:
         if request.req_id in self._inflight:
             raise EngineError(400, f"request id {request.req_id!r} is already in flight")
-        record = _InFlight(request, RequestStream(request.req_id), request.req_id, self._choose())
+        shard = self.shards.choose()
+        record = _InFlight(request, RequestStream(request.req_id), request.req_id, shard or 0)
         self._inflight[request.req_id] = record
         self._routes[record.engine_id] = record  # before submitting: deltas may beat the reply
         try:
@@ -164,14 +169,32 @@ class InFlightRequests:
         return shard
 
     async def _place(self, record: _InFlight) -> None:
-        """First submit to the chosen shard; on a 429 or 503 answer, once to another one."""
-        try:
-            await self._send(record, record.request, record.shard)
-        except _Rejected as e:
-            other = self.shards.choose(exclude=record.shard)
-            if e.status not in _RETRYABLE or other is None:
-                raise
-            await self._send(record, record.request, other)
+        """First submit: to the least loaded available shard; after a 429, once to another
+        one; while none is available or they answer 503, again after the next heartbeat,
+        until `resubmit_timeout`."""
+        deadline = time.monotonic() + self.resubmit_timeout
+        error = EngineError(503, "no scheduler with ready workers is available")
+        unavailable: set[int] = set()  # answered 503 since the last heartbeat
+        handed_over = False
+        while self._holds(record):
+            shard = self.shards.choose(exclude=unavailable)
+            if shard is None:
+                if not await self.shards.wait_for_change(deadline):
+                    raise error
+                unavailable.clear()
+                continue
+            try:
+                await self._send(record, record.request, shard)
+                return
+            except EngineError as e:
+                other = self.shards.choose(exclude={shard})
+                if e.status == 429 and not handed_over and other is not None:
+                    handed_over = True
+                elif e.status != 503:
+                    raise
+                error = e
+                unavailable.add(shard)
+        raise EngineError(503, "the request was aborted")
 
     async def _send(self, record: _InFlight, request: SubmitRequest, shard: int) -> None:
         """Submit `request` (the record's engine id) to `shard`; raises `EngineError`."""
@@ -212,7 +235,7 @@ class InFlightRequests:
                 if e.status not in _RETRYABLE or time.monotonic() + delay > deadline:
                     self._fail(record, e)
                     return
-            await asyncio.sleep(delay)
+            await self.shards.wait_for_change(time.monotonic() + delay)  # or a new scheduler
             delay = min(delay * 2, 2.0)
 
     def _continuation(self, record: _InFlight) -> SubmitRequest:
@@ -231,7 +254,7 @@ class InFlightRequests:
 
     async def _watchdog(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(min(1.0, self.orphan_timeout / 4))
             self.fail_orphans()
 
     def _holds(self, record: _InFlight) -> bool:

@@ -4,7 +4,8 @@
 Every flag also reads an environment variable (`--nats-url` ← `SKIFF_NATS_URL`, and so on).
 On SIGTERM/SIGINT the gateway drains: /health turns 503 and new generation requests get 503,
 uvicorn stops accepting connections, and in-flight streams get up to `--drain-timeout` seconds
-to finish before they are cancelled (which aborts their engine requests).
+to finish; those still running then end with an error event (and their engine requests are
+aborted), logged as one line.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +27,8 @@ from prometheus_client import disable_created_metrics
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.context import GatewayContext
-from services.gateway.engine_client import NatsEngineClient
+from services.gateway.engine_client import EngineError, NatsEngineClient
+from services.gateway.http_protocol import with_header_timeout
 from services.gateway.logs import configure_logging
 from shared.cli_args import ConfigParser
 from shared.tokenizer import Tokenizer
@@ -45,18 +48,43 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     return config
 
 
-class _DrainingServer(uvicorn.Server):
-    """uvicorn, but the app learns about the exit signal first (to fail health checks)."""
+_CUT_GRACE_S = 2.0  # after the drain timeout, for cut streams to send their error event
 
-    def __init__(self, config: uvicorn.Config, ctx: GatewayContext) -> None:
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, but the app learns about the exit signal first (to fail health checks), and
+    streams still running at the drain timeout end with an error event instead of being
+    cancelled mid-response."""
+
+    def __init__(
+        self, config: uvicorn.Config, ctx: GatewayContext, engine: NatsEngineClient
+    ) -> None:
         super().__init__(config)
         self.ctx = ctx
+        self.engine = engine
+        self.drain_timeout = (config.timeout_graceful_shutdown or 0) - _CUT_GRACE_S
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        cut = asyncio.get_running_loop().call_later(self.drain_timeout, self._cut_streams)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
+
+    def _cut_streams(self) -> None:
+        if self.engine.num_in_flight:
+            logger.warning(
+                "drain timeout (%.0f s): ending %d unfinished requests with an error",
+                self.drain_timeout,
+                self.engine.num_in_flight,
+            )
+            self.engine.requests.close(EngineError(503, "the gateway is shutting down"))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.ctx.draining:
             logger.info(
                 "draining: finishing in-flight requests (up to %.0f s)",
-                self.config.timeout_graceful_shutdown or 0,
+                self.drain_timeout,
             )
         self.ctx.draining = True
         super().handle_exit(sig, frame)
@@ -95,6 +123,9 @@ def build_engine(config: GatewayConfig) -> NatsEngineClient:
         gateway_id=config.gateway_id,
         subject_prefix=config.subject_prefix,
         num_shards=config.scheduler_shards,
+        heartbeat_timeout=config.heartbeat_timeout,
+        orphan_timeout=config.scheduler_timeout,
+        resubmit_timeout=config.scheduler_timeout,
     )
 
 
@@ -112,6 +143,9 @@ async def serve(config: GatewayConfig) -> None:
         config.max_model_len,
         config.api_key,
         max_body_bytes=config.max_body_bytes,
+        body_timeout=config.body_timeout,
+        tokenizer_concurrency=config.tokenizer_concurrency,
+        keepalive_interval=config.keepalive_interval,
         model_root=str(model_dir),
     )
     server = _DrainingServer(
@@ -122,10 +156,13 @@ async def serve(config: GatewayConfig) -> None:
             log_config=None,
             access_log=False,
             lifespan="off",
-            timeout_graceful_shutdown=config.drain_timeout,  # type: ignore[arg-type]
+            timeout_graceful_shutdown=config.drain_timeout + _CUT_GRACE_S,  # type: ignore[arg-type]
             server_header=False,
+            http=with_header_timeout(config.header_timeout),
+            limit_concurrency=config.limit_concurrency,
         ),
         app.state.gateway,
+        engine,
     )
     logger.info(
         "gateway %s serving %s on %s:%d",

@@ -3,11 +3,14 @@
 * `RequestContextMiddleware`: X-Request-Id (honoured or generated, echoed), the request id in
   log records, an access log line and the HTTP request counter.
 * `ApiKeyMiddleware`: `Authorization: Bearer <key>` on /v1/*, compared in constant time.
-* `BodyLimitMiddleware`: reads the body up front and answers 413 past the limit.
+* `BodyLimitMiddleware`: reads the body up front; answers 413 past the size limit and 408 (and
+  closes the connection) when the body is not complete within `body_timeout` seconds, so that a
+  client trickling its body cannot hold a request open.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -84,9 +87,10 @@ class ApiKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -99,18 +103,26 @@ class BodyLimitMiddleware:
             await self._reject(declared, scope, receive, send)
             return
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                await self._reject(str(size), scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return  # the client left before sending its body
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > self.max_body_bytes:
+                        await self._reject(str(size), scope, receive, send)
+                        return
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            late = f"the request body was not received within {self.body_timeout:g} s"
+            await error_response(408, late, headers={"Connection": "close"})(scope, receive, send)
+            return
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        await self.app(scope, _replay(body, receive), send)
 
     async def _reject(self, declared: str, scope: Scope, receive: Receive, send: Send) -> None:
         if _DIGITS.fullmatch(declared):

@@ -3,9 +3,9 @@
 One connection for every shard. Per shard it follows the scheduler heartbeat (into `Shards`),
 receives this gateway's output batches (reassembled when the scheduler had to split them), and
 sends submits (request-reply) and aborts. `on_lost(reason, shard)` hears of every event after
-which deltas may have been lost: a new epoch of one shard's scheduler (`shard` is its index),
-our own reconnection or NATS dropping messages for a slow consumer (`shard` is None: every
-shard's).
+which deltas may have been lost or will stop: a new epoch of one shard's scheduler, or its
+scheduler announcing that it leaves (`shard` is its index), our own reconnection or NATS
+dropping messages for a slow consumer (`shard` is None: every shard's).
 """
 
 from __future__ import annotations
@@ -118,10 +118,12 @@ class NatsTransport:
 
     async def _on_heartbeat(self, index: int, beat: SchedulerHeartbeat) -> None:
         shard = self.shards[index]
-        previous = shard.epoch
-        if shard.heartbeat(beat):
+        previous, was_leaving = shard.epoch, shard.leaving
+        if self.shards.heartbeat(index, beat):
             reason = f"scheduler on {shard.subjects.prefix} restarted"
             self._on_lost(f"{reason} (epoch {previous} -> {beat.epoch})", index)
+        elif beat.leaving and not was_leaving:
+            self._on_lost(f"scheduler on {shard.subjects.prefix} is leaving", index)
 
     async def _on_reconnect(self) -> None:
         self._on_lost("reconnected to NATS", None)

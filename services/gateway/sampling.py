@@ -1,7 +1,8 @@
 """From an API request to `SamplingParams`, checked by the one rulebook in
 `shared.sampling_params` (its `SamplingParamsError` becomes a 400 with `param`, see
 `services.gateway.errors`). What is left here is what only the API has: parsing `logit_bias`
-keys, tokenizing `bad_words`, and the `stop` strings the gateway matches itself.
+keys, tokenizing `bad_words`, the `stop` strings the gateway matches itself, and the sizes of
+the lists and texts among them (`check_sizes`), bounded before any of them is processed.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from services.gateway.errors import APIError
+from services.gateway.prompt_encoder import PromptEncoder
 from services.gateway.protocol import SamplingFields
 from shared.sampling_params import SamplingParams, SamplingParamsError, validate_sampling_params
 from shared.tokenizer import Tokenizer
@@ -31,15 +33,44 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
 
 
+_MAX_TOKEN_ID_CHARS = 20  # the longest key that can name a token id
+
+
+def check_sizes(req: SamplingFields, encoder: PromptEncoder) -> None:
+    """Bound what the rulebook and the matchers would otherwise walk through at any size: no
+    token-id list or `logit_bias` longer than the vocabulary, no `stop` or `bad_words` text
+    longer than the context can hold (it could never match)."""
+    vocab_size = encoder.tokenizer.vocab_size
+    lists = {
+        "logit_bias": req.logit_bias,
+        "stop_token_ids": req.stop_token_ids,
+        "allowed_token_ids": req.allowed_token_ids,
+    }
+    for param, values in lists.items():
+        if values is not None and len(values) > vocab_size:
+            raise APIError(
+                400, f"{param} has {len(values)} entries, more than the {vocab_size} tokens", param
+            )
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    texts = {"stop": ("stop strings", stop), "bad_words": ("bad words", req.bad_words or [])}
+    for param, (what, strings) in texts.items():
+        encoder.check_chars(sum(len(t) for t in strings), param, what)
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
     parsed = {}
     for key, value in bias.items():
         try:
+            if len(key) > _MAX_TOKEN_ID_CHARS:
+                raise ValueError
             parsed[int(key)] = value
         except ValueError:
-            raise APIError(400, f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+            shown = key if len(key) <= _MAX_TOKEN_ID_CHARS else key[:_MAX_TOKEN_ID_CHARS] + "..."
+            raise APIError(
+                400, f"logit_bias key {shown!r} is not a token id", "logit_bias"
+            ) from None
     return parsed
 
 

@@ -15,7 +15,7 @@ from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, error_body
 from services.gateway.generation import Generation
 from services.gateway.protocol import MAX_N
-from services.gateway.sse import DONE, run_until_disconnect, sse
+from services.gateway.sse import DONE, KEEPALIVE, run_until_disconnect, sse
 
 MAX_CHOICES = MAX_N  # prompts x n per HTTP request
 
@@ -59,7 +59,8 @@ async def collect(gen: Generation) -> list[ChoiceUpdate]:
     """Run every choice to the end; one merged update per choice, in index order."""
     merged = {c.spec.index: ChoiceUpdate(c.spec.index) for c in gen.choices}
     async for update in gen.updates():
-        merged[update.index] = merged[update.index].merge(update)
+        if update is not None:
+            merged[update.index] = merged[update.index].merge(update)
     return [merged[i] for i in sorted(merged)]
 
 
@@ -89,13 +90,18 @@ async def event_stream(
 ) -> AsyncGenerator[str, None]:
     """SSE events: `opening`, then a chunk whenever a choice has new text or finishes (tokens
     without text yet wait for the next chunk), then `final` (usage), then [DONE]. An engine
-    failure mid-stream becomes an error event."""
+    failure mid-stream becomes an error event. While no token comes for the context's
+    `keepalive_interval`, a `: keepalive` comment goes out (clients ignore it; proxies and
+    clients with read timeouts see a live connection)."""
     try:
         try:
             for payload in opening:
                 yield sse(payload)
             pending: dict[int, ChoiceUpdate] = {}
-            async for update in gen.updates():
+            async for update in gen.updates(ctx.keepalive_interval or None):
+                if update is None:
+                    yield KEEPALIVE
+                    continue
                 if update.index in pending:
                     update = pending.pop(update.index).merge(update)
                 if not update.text and update.finish_reason is None:

@@ -3,14 +3,17 @@
 Shard i is one scheduler and its workers on the subjects of `shard_prefixes(prefix, n)[i]`. The
 gateway knows each one from its heartbeats (epoch, ready workers, context length, load) and
 from what it has submitted to it since the last one. A shard is *available* while its last
-heartbeat is fresh and it has ready workers; a new request goes to the available shard with
-the fewest requests per ready worker.
+heartbeat is fresh, it has ready workers and it has not announced that it is leaving (a
+scheduler that shuts down says so in its last heartbeat); a new request goes to the available
+shard with the fewest requests per ready worker. `wait_for_change` lets a request that found no
+available shard wait for the next heartbeat instead of failing at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 from shared.protocol import SchedulerHeartbeat
@@ -29,6 +32,7 @@ class ShardState:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    leaving: bool = False  # the scheduler said its last heartbeat is this one
     last_heartbeat: float = float("-inf")  # time.monotonic()
     submitted: int = 0  # requests this gateway submitted to it since its last heartbeat
 
@@ -42,6 +46,7 @@ class ShardState:
         self.num_running = beat.num_running
         self.num_waiting = beat.num_waiting
         self.kv_cache_usage = beat.kv_cache_usage
+        self.leaving = beat.leaving
         self.last_heartbeat = time.monotonic()
         self.submitted = 0
         return restarted
@@ -64,6 +69,29 @@ class Shards:
     def __init__(self, prefix: str, num_shards: int, heartbeat_timeout: float) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self._states = [ShardState(Subjects(p)) for p in shard_prefixes(prefix, num_shards)]
+        self._changed: asyncio.Event | None = None  # set (and replaced) on every heartbeat
+
+    def heartbeat(self, index: int, beat: SchedulerHeartbeat) -> bool:
+        """Take in shard `index`'s heartbeat (True: a new epoch) and wake the waiters."""
+        restarted = self._states[index].heartbeat(beat)
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+        return restarted
+
+    async def wait_for_change(self, deadline: float) -> bool:
+        """Wait for the next heartbeat of any shard, until `deadline` (time.monotonic());
+        False when the deadline passed first."""
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            return False
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def __getitem__(self, index: int) -> ShardState:
         return self._states[index]
@@ -78,7 +106,7 @@ class Shards:
         return shard.heartbeat_age < self.heartbeat_timeout
 
     def available(self, shard: ShardState) -> bool:
-        return self.fresh(shard) and shard.num_ready_workers > 0
+        return self.fresh(shard) and shard.num_ready_workers > 0 and not shard.leaving
 
     @property
     def ready(self) -> bool:
@@ -94,9 +122,12 @@ class Shards:
         ]
         return min(fresh or known, default=None)
 
-    def choose(self, exclude: int | None = None) -> int | None:
-        """The index of the least loaded available shard (the lowest on a tie), if any."""
+    def choose(self, exclude: Collection[int] = ()) -> int | None:
+        """The index of the least loaded available shard not in `exclude` (the lowest on a
+        tie), if any."""
         candidates = [
-            (s.load, i) for i, s in enumerate(self._states) if i != exclude and self.available(s)
+            (s.load, i)
+            for i, s in enumerate(self._states)
+            if i not in exclude and self.available(s)
         ]
         return min(candidates)[1] if candidates else None

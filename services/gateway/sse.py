@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
+KEEPALIVE = ": keepalive\n\n"  # an SSE comment: clients skip it
 
 
 def sse(payload: dict[str, Any]) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from services.gateway.context import GatewayContext
+from services.gateway.errors import APIError
+from services.gateway.prompt_encoder import SMALL_INPUT
 from services.gateway.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -23,9 +25,10 @@ def router(ctx: GatewayContext) -> APIRouter:
             text = ctx.render_chat(
                 body.messages, body.add_generation_prompt, body.continue_final_message
             )
+            param = "messages"
         else:
-            text = body.prompt
-        tokens = await ctx.encode(text, body.add_special_tokens)
+            text, param = body.prompt, "prompt"
+        tokens = await ctx.encode(text, body.add_special_tokens, param)
         return {
             "count": len(tokens),
             "max_model_len": ctx.configured_max_model_len or ctx.engine.max_model_len,
@@ -36,6 +39,13 @@ def router(ctx: GatewayContext) -> APIRouter:
     @api.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         ctx.check_model(body.model)
+        if len(body.tokens) > SMALL_INPUT and len(body.tokens) > ctx.max_model_len():
+            raise APIError(
+                400,
+                f"{len(body.tokens)} tokens are more than the model's context length "
+                f"({ctx.max_model_len()})",
+                "tokens",
+            )
         check_token_ids(body.tokens, ctx.tokenizer.vocab_size, "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 

@@ -120,7 +120,9 @@ async def test_nats_engine_client_submit_stream_abort_and_restart(nats_url):
 async def test_nats_engine_client_not_ready_and_rejections(nats_url):
     import nats
 
-    client = NatsEngineClient(nats_url, subject_prefix="t2", gateway_id="gw2", submit_timeout=0.5)
+    client = NatsEngineClient(
+        nats_url, subject_prefix="t2", gateway_id="gw2", submit_timeout=0.5, resubmit_timeout=0.5
+    )
     request = SubmitRequest(
         req_id="r", gateway_id="", prompt_token_ids=[1], sampling_params=SamplingParams()
     )

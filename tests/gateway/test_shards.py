@@ -34,7 +34,7 @@ def test_choose_the_least_loaded_per_ready_worker():
     assert shards.choose() == 1
     shards[1].submitted = 1  # ours since its heartbeat count: 3/1
     assert shards.choose() == 2
-    assert shards.choose(exclude=2) == 0
+    assert shards.choose(exclude={2}) == 0
 
 
 def test_ties_go_to_the_lower_index_and_a_heartbeat_resets_our_count():
@@ -50,7 +50,7 @@ def test_stale_shards_and_shards_without_workers_are_skipped():
     shards = _shards(_beat(running=50), _beat(workers=0), _beat(running=9), None)
     shards[2].last_heartbeat -= 10  # silent longer than the heartbeat timeout
     assert shards.choose() == 0 and shards.ready
-    assert shards.choose(exclude=0) is None
+    assert shards.choose(exclude={0}) is None
     shards[0].last_heartbeat -= 10
     assert shards.choose() is None and not shards.ready
 
