@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from shared.cli_args import ConfigParser
 
 
@@ -58,45 +60,47 @@ def serve(argv: list[str]) -> int:
             log_dir=log_dir,
             scheduler=configs[SchedulerConfig],
             sim=configs[SimConfig],
-        )
+        ),
+        supervise=True,
     )
+    # The first SIGINT or SIGTERM stops the stack (later ones are ignored, so that nothing
+    # cuts the drain short): while starting it interrupts the start, afterwards the loop
+    # below sees it. Explicit handlers: a shell may start us with SIGINT ignored.
+    state = {"starting": True, "stop": False}
 
-    def on_signal(_sig, _frame):
-        raise KeyboardInterrupt
+    def on_signal(_sig: int, _frame: FrameType | None) -> None:
+        if state["stop"]:
+            return
+        state["stop"] = True
+        if state["starting"]:
+            raise KeyboardInterrupt
 
-    # Explicit handlers: a shell may start us with SIGINT ignored (e.g. in the background).
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"skiff: service logs go to {log_dir}", flush=True)
     try:
         stack.start(progress=lambda msg: print(f"skiff: {msg}", flush=True))
+        state["starting"] = False
     except (StartupError, FileNotFoundError) as exc:
         print(f"skiff: failed to start: {exc}", file=sys.stderr)
         _print_log_tails(log_dir)
         return 1
     except KeyboardInterrupt:
+        stack.stop()  # a no-op unless the signal came just after the start
         return 130
     print(
         f"\nskiff is serving {name} at {stack.url}/v1\n"
         f"try:\n  curl {stack.url}/v1/completions -H 'Content-Type: application/json' \\\n"
         f'    -d \'{{"model": "{name}", "prompt": "Hello, my name is", '
-        f'"max_tokens": 16}}\'\n\nCtrl-C stops everything.',
+        f'"max_tokens": 16}}\'\n\nA process that exits is restarted; Ctrl-C stops everything.',
         flush=True,
     )
-    code = 0
-    try:
-        while True:
-            stack.check_alive()
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    except StartupError as exc:
-        print(f"skiff: {exc}; stopping", file=sys.stderr)
-        _print_log_tails(log_dir)
-        code = 1
-    print("skiff: stopping...", flush=True)
+    while not state["stop"]:
+        time.sleep(0.2)
+    print("skiff: stopping: the gateway finishes its streams, then the rest stops", flush=True)
     stack.stop()
-    return code
+    print("skiff: stopped", flush=True)
+    return 0
 
 
 def _print_log_tails(log_dir: str, lines: int = 15) -> None:

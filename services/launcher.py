@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.gateway.config import GatewayConfig
+from services.supervisor import Supervisor
 from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig
-from shared.cli_args import setting, to_argv
+from shared.cli_args import env_var, setting, to_argv
 from shared.config import SchedulerConfig, SchedulerServiceConfig, WorkerServiceConfig
 from shared.subjects import shard_prefixes
 
@@ -75,8 +76,14 @@ class StackConfig:
 
 
 class Stack:
-    def __init__(self, config: StackConfig) -> None:
+    """The processes of one stack. With `supervise`, a process that exits once the stack is
+    up is restarted (`services/supervisor.py`); without it, as in the tests that kill and
+    restart processes on purpose, nothing is."""
+
+    def __init__(self, config: StackConfig, supervise: bool = False) -> None:
         self.config = config
+        self.supervise = supervise
+        self._supervisor: Supervisor | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self.nats_url = config.nats_url or f"nats://127.0.0.1:{free_port()}"
         self.url = f"http://{config.host}:{config.port}"
@@ -192,9 +199,29 @@ class Stack:
             say(f"starting gateway on {self.url}")
             self.start_gateway()
             self.wait_ready(timeout_s)
+            say("processes: " + ", ".join(f"{n} (pid {p.pid})" for n, p in self.procs.items()))
+            if self.supervise:
+                self._supervisor = Supervisor(self.procs, self.restart, say)
+                self._supervisor.start()
         except BaseException:
             self.stop()
             raise
+
+    def restart(self, name: str) -> None:
+        """Start the process `name` of `procs` again, as `start` started it."""
+        kind, _, index = name.partition("-")  # "worker-3", "scheduler-1"
+        if name == "sim-workers":
+            self.start_sim_workers()
+        elif kind == "worker":
+            self.start_worker(int(index))
+        elif kind == "scheduler":
+            self.start_scheduler(int(index or 0))
+        elif name == "nats":
+            self.start_nats()
+        elif name == "gateway":
+            self.start_gateway()
+        else:
+            raise KeyError(name)
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -216,8 +243,10 @@ class Stack:
 
     def _wait_port(self, host: str, port: int, name: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        proc = self.procs[name]
         while time.monotonic() < deadline:
-            self.check_alive()
+            if proc.poll() is not None:
+                raise StartupError(f"{name} exited with code {proc.returncode}")
             with socket.socket() as s:
                 if s.connect_ex((host, port)) == 0:
                     return
@@ -230,16 +259,34 @@ class Stack:
         proc.wait(timeout=30)
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM in reverse start order (gateway first, nats last), then SIGKILL stragglers."""
+        """SIGTERM in reverse start order, one at a time: the gateway first, which finishes its
+        streams within its drain timeout while the rest still serves (and is still
+        supervised), nats last. A process still up `timeout_s` after its drain gets SIGKILL."""
         for name in reversed(list(self.procs)):
+            if self._supervisor is not None:
+                self._supervisor.retire(name)
             proc = self.procs[name]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
-                    proc.wait(timeout=timeout_s)
+                    proc.wait(timeout=timeout_s + (_gateway_drain_s() if name == "gateway" else 0))
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        if self._supervisor is not None:
+            self._supervisor.stop()
+            self._supervisor = None
         if self._nats_dir is not None:
             self._nats_dir.cleanup()
             self._nats_dir = None
+
+
+def _gateway_drain_s() -> float:
+    """The drain timeout of the gateway we start: its default or the SKIFF_* variable it
+    inherits (a bad value stops the gateway at startup; it counts as 0 here)."""
+    try:
+        return max(
+            0.0, float(os.environ.get(env_var("drain_timeout"), GatewayConfig.drain_timeout))
+        )
+    except ValueError:
+        return 0.0
