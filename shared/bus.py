@@ -1,5 +1,5 @@
-"""The one way onto NATS for every service: connection options, typed publish / subscribe,
-request-reply, and version checks.
+"""The one way onto NATS for every service: connection options (credentials, TLS), typed
+publish / subscribe, request-reply, and version checks.
 
 Messages are the structs of `shared.protocol`. A message larger than the server's payload limit
 (1 MiB by default) is published as numbered parts carrying `Skiff-Msg` / `Skiff-Part` headers
@@ -14,8 +14,12 @@ dropped with a warning (`subscribe`), answered with `on_malformed` (`serve`) or 
 from __future__ import annotations
 
 import logging
+import os
+import ssl
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -24,6 +28,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from shared.cli_args import env_var
+from shared.config import NatsClientConfig
+from shared.nats_auth import inbox_prefix
 from shared.protocol import PROTOCOL_VERSION, decoder, encode
 
 log = logging.getLogger("skiff.bus")
@@ -39,16 +46,70 @@ class IncompatibleVersionError(msgspec.DecodeError):
     """A well-formed message from a peer speaking another protocol version."""
 
 
+@dataclass(frozen=True)
+class ConnectOptions:
+    """Credentials and TLS of one connection. With a user, request-reply inboxes are the
+    user's own (`shared.nats_auth.inbox_prefix`); with a CA file, the server must present a
+    certificate it signed; a client certificate is presented when given."""
+
+    user: str = ""
+    password: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("a NATS client certificate needs its key, and a key its certificate")
+        if (self.tls_cert or self.tls_key) and not self.tls_ca:
+            raise ValueError("a NATS client certificate needs the CA file (nats_tls_ca) too")
+        if self.password and not self.user:
+            raise ValueError("a NATS password needs a user (nats_user)")
+
+    @classmethod
+    def from_config(cls, config: NatsClientConfig) -> ConnectOptions:
+        """From a service's settings; the password from its file, else SKIFF_NATS_PASSWORD."""
+        password = os.environ.get(env_var("nats_password"), "")
+        if config.nats_password_file:
+            try:
+                password = Path(config.nats_password_file).read_text().strip()
+            except OSError as e:
+                raise ValueError(f"cannot read the NATS password file: {e}") from None
+        return cls(
+            config.nats_user,
+            password,
+            config.nats_tls_ca,
+            config.nats_tls_cert,
+            config.nats_tls_key,
+        )
+
+    def nats_kwargs(self) -> dict[str, object]:
+        """Keyword arguments of `nats.connect`."""
+        kwargs: dict[str, object] = {}
+        if self.user:
+            kwargs.update(
+                user=self.user, password=self.password, inbox_prefix=inbox_prefix(self.user)
+            )
+        if self.tls_ca:
+            context = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_cert:
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+            kwargs["tls"] = context
+        return kwargs
+
+
 async def connect(
     url: str | list[str],
     name: str,
     *,
+    options: ConnectOptions | None = None,
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     on_error: Callable[[Exception], Awaitable[None]] | None = None,
 ) -> Client:
     """Connect and keep reconnecting forever (also for the first connection): a NATS blip must
     never end a service. The hooks run after the event is logged; after a reconnection,
-    messages in flight may have been lost."""
+    messages in flight may have been lost. A refused credential is logged and retried (the
+    secret may be fixed without a restart)."""
 
     async def error_cb(exc: Exception) -> None:
         log.warning("nats error: %s", exc)
@@ -74,6 +135,7 @@ async def connect(
         error_cb=error_cb,
         disconnected_cb=disconnected_cb,
         reconnected_cb=reconnected_cb,
+        **(options or ConnectOptions()).nats_kwargs(),
     )
 
 

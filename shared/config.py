@@ -47,10 +47,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class SchedulerServiceConfig:
-    """The scheduler service: NATS, admission limits, liveness and drain timeouts."""
+class NatsClientConfig:
+    """How a service reaches NATS: URL, user and TLS (every service's config extends this).
+    The password comes from `nats_password_file`, else from SKIFF_NATS_PASSWORD, never a flag."""
 
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")
+    nats_user: str = setting("", "NATS user name (empty: connect without credentials)")
+    nats_password_file: str = setting(
+        "", "file holding the NATS user's password (else SKIFF_NATS_PASSWORD)"
+    )
+    nats_tls_ca: str = setting("", "CA file that signed the NATS server's certificate: use TLS")
+    nats_tls_cert: str = setting("", "client certificate for NATS TLS (with nats_tls_key)")
+    nats_tls_key: str = setting("", "private key of nats_tls_cert")
+
+
+@dataclass(frozen=True)
+class SchedulerServiceConfig(NatsClientConfig):
+    """The scheduler service: NATS, admission limits, liveness and drain timeouts."""
+
     subject_prefix: str = setting(DEFAULT_SUBJECT_PREFIX, "prefix of every NATS subject")
     model_name: str = setting("", "label of the vllm:* metrics", name="served_model_name")
     max_waiting: int = setting(1024, "queued requests beyond this are refused with 429")
@@ -76,10 +90,9 @@ class SchedulerServiceConfig:
 
 
 @dataclass(frozen=True)
-class WorkerServiceConfig:
+class WorkerServiceConfig(NatsClientConfig):
     """The worker service: NATS and identity."""
 
-    nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")
     subject_prefix: str = setting(DEFAULT_SUBJECT_PREFIX, "prefix of every NATS subject")
     worker_id: str = setting("worker-0", "unique per worker (the pod name in Kubernetes)")
     model_name: str = setting("", "model name announced to the scheduler", name="served_model_name")

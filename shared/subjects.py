@@ -77,5 +77,9 @@ class Subjects:
         return f"{self.prefix}.scheduler.heartbeat"
 
     @property
+    def gateway_heartbeat(self) -> str:  # gateway -> schedulers: GatewayHeartbeat
+        return f"{self.prefix}.gateway.heartbeat"
+
+    @property
     def scheduler_stats(self) -> str:  # request-reply: SchedulerStatsRequest/SchedulerStats
         return f"{self.prefix}.scheduler.stats"

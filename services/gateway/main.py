@@ -30,6 +30,7 @@ from services.gateway.context import GatewayContext
 from services.gateway.engine_client import EngineError, NatsEngineClient
 from services.gateway.http_protocol import with_header_timeout
 from services.gateway.logs import configure_logging
+from shared.bus import ConnectOptions
 from shared.cli_args import ConfigParser
 from shared.tokenizer import Tokenizer
 
@@ -126,6 +127,7 @@ def build_engine(config: GatewayConfig) -> NatsEngineClient:
         heartbeat_timeout=config.heartbeat_timeout,
         orphan_timeout=config.scheduler_timeout,
         resubmit_timeout=config.scheduler_timeout,
+        connect_options=ConnectOptions.from_config(config),
     )
 
 

@@ -23,6 +23,7 @@ from nats.aio.client import Client
 from services.gateway.request_stream import EngineError
 from services.gateway.shards import Shards
 from shared import bus
+from shared.epochs import supersedes
 from shared.protocol import (
     AbortRequests,
     OutputBatch,
@@ -40,9 +41,16 @@ class NatsTransport:
     """Connection, shard heartbeats, and the submit / abort / output subjects of one gateway."""
 
     def __init__(
-        self, servers: str | list[str], gateway_id: str, shards: Shards, *, submit_timeout: float
+        self,
+        servers: str | list[str],
+        gateway_id: str,
+        shards: Shards,
+        *,
+        submit_timeout: float,
+        connect_options: bus.ConnectOptions | None = None,
     ) -> None:
         self.servers = servers
+        self.connect_options = connect_options
         self.gateway_id = gateway_id
         self.shards = shards
         self.submit_timeout = submit_timeout
@@ -101,6 +109,7 @@ class NatsTransport:
             self._nc = await bus.connect(
                 self.servers,
                 f"skiff-gateway-{self.gateway_id}",
+                options=self.connect_options,
                 on_reconnect=self._on_reconnect,
                 on_error=self._on_error,
             )
@@ -119,6 +128,9 @@ class NatsTransport:
     async def _on_heartbeat(self, index: int, beat: SchedulerHeartbeat) -> None:
         shard = self.shards[index]
         previous, was_leaving = shard.epoch, shard.leaving
+        if not supersedes(beat.epoch, previous, current_silent=not self.shards.fresh(shard)):
+            logger.debug("ignoring a heartbeat of stale epoch %s", beat.epoch)
+            return
         if self.shards.heartbeat(index, beat):
             reason = f"scheduler on {shard.subjects.prefix} restarted"
             self._on_lost(f"{reason} (epoch {previous} -> {beat.epoch})", index)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Coroutine
 from typing import Any
 
@@ -28,6 +27,7 @@ from services.scheduler.worker_driver import WorkerDriver
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared import bus
 from shared.config import SchedulerConfig, SchedulerServiceConfig
+from shared.epochs import new_epoch
 from shared.protocol import (
     AbortRequests,
     ModelRunnerOutput,
@@ -46,7 +46,7 @@ class SchedulerService:
     def __init__(self, config: SchedulerServiceConfig, scheduler_config: SchedulerConfig) -> None:
         self.config = config
         self.subjects = Subjects(config.subject_prefix)
-        self.epoch = uuid.uuid4().hex
+        self.epoch = new_epoch()  # sorts after every earlier scheduler's
         self.metrics = SchedulerMetrics(config.model_name)
         self.pool = WorkerPool(scheduler_config)
         self.placement = Placement(self.pool, wake=self._wake)
@@ -61,7 +61,10 @@ class SchedulerService:
 
     async def start(self) -> None:
         self.nc = await bus.connect(
-            self.config.nats_url, "skiff-scheduler", on_reconnect=self._on_reconnect
+            self.config.nats_url,
+            "skiff-scheduler",
+            options=bus.ConnectOptions.from_config(self.config),
+            on_reconnect=self._on_reconnect,
         )
         s, nc = self.subjects, self.nc
         await bus.serve(

@@ -78,7 +78,8 @@ async def serve_simulated(
     # from plan to result beyond their execute_s instead of 4.2 ms with one connection each (and
     # 2230 instead of 1500 steps/s at 20 ms), as one reader and one flusher batch every
     # worker's messages where 64 of each contend for the loop and make 64x the syscalls.
-    nc = await bus.connect(config.nats_url, f"skiff-{config.worker_id}")
+    options = bus.ConnectOptions.from_config(config)
+    nc = await bus.connect(config.nats_url, f"skiff-{config.worker_id}", options=options)
     for service in services:
         await service.start(nc)
     await wait_for_signal()

@@ -15,6 +15,7 @@ from nats.aio.client import Client
 from services.worker.config import RunnerConfig
 from shared import bus
 from shared.config import WorkerServiceConfig
+from shared.epochs import STALE_EPOCH_SILENCE_S, EpochFollower
 from shared.protocol import BatchPlan, ModelRunnerOutput, WorkerHello
 from shared.subjects import Subjects, worker_prefix
 
@@ -54,6 +55,7 @@ class WorkerService:
         self.instance_id = uuid.uuid4().hex
         self.worker_session = ""
         self._failed_session = ""  # a step of it failed: its queued plans build on lost state
+        self._epochs = EpochFollower(STALE_EPOCH_SILENCE_S)  # a stale scheduler's plans: ignored
         # A blocking runner gets one thread: plans run strictly in arrival order, heartbeats go
         # on meanwhile. An AsyncRunner runs on the loop (and its plans in order all the same).
         self.executor: ThreadPoolExecutor | None = None
@@ -81,7 +83,10 @@ class WorkerService:
         """Connect, or use `nc` (shared by simulated workers; then the caller drains it)."""
         self._owns_nc = nc is None
         if nc is None:
-            nc = await bus.connect(self.config.nats_url, f"skiff-{self.config.worker_id}")
+            options = bus.ConnectOptions.from_config(self.config)
+            nc = await bus.connect(
+                self.config.nats_url, f"skiff-{self.config.worker_id}", options=options
+            )
         self.nc = nc
         plan_subject = self.subjects.plan(self.config.worker_id)
         await bus.subscribe(self.nc, plan_subject, BatchPlan, self._plans.put)
@@ -118,6 +123,9 @@ class WorkerService:
             idle_s = time.perf_counter() - waiting_since
             if plan.worker_session == self._failed_session:
                 continue  # planned before our failure was known (async scheduling)
+            if not self._epochs.follow(plan.worker_session.partition(":")[0]):
+                log.debug("dropping step %d of a stale scheduler epoch", plan.step_id)
+                continue
             if plan.worker_session != self.worker_session:
                 if self.worker_session:
                     log.warning("new scheduler epoch: dropping all request state")

@@ -14,7 +14,7 @@ from shared.subjects import Subjects
 
 def scheduler_stats(stack, prefix: str = DEFAULT_SUBJECT_PREFIX) -> dict:
     async def ask():
-        nc = await bus.connect(stack.nats_url, "test-stats")
+        nc = await bus.connect(stack.nats_url, "test-stats", **stack.nats_options())
         try:
             stats = await bus.request(
                 nc, Subjects(prefix).scheduler_stats, SchedulerStatsRequest(), SchedulerStats, 5

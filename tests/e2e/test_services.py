@@ -75,7 +75,9 @@ def test_worker_death_migrates_requests(two_worker_stack, smollm2_dir):
     ]
 
     async def run():
-        nc = await bus.connect(two_worker_stack.nats_url, "test-client")
+        nc = await bus.connect(
+            two_worker_stack.nats_url, "test-client", **two_worker_stack.nats_options()
+        )
         await _wait_workers(nc, 2)
         tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
         finished: dict[str, str] = {}

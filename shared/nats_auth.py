@@ -1,0 +1,224 @@
+"""NATS users of a deployment and what each may publish and subscribe, derived from
+`shared.subjects`; renders nats-server's configuration (users, permissions, TLS).
+
+Roles: `admin` (operators and tests: everything), `gateway`, `scheduler` (every shard) and one
+`worker` user per worker process, allowed only its own workers' plans. Each user's
+request-reply inboxes are `_INBOX.<user>.*` (`inbox_prefix`), readable by that user alone; a
+scheduler may answer requests (`allow_responses`) without publishing on anyone's inbox.
+
+`python -m shared.nats_auth` writes the configuration for a nats-server of its own (the Helm
+chart runs it in an init container); `Stack.start_nats` calls `server_config` directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.config import DEFAULT_SUBJECT_PREFIX
+from shared.subjects import SUBJECT_TOKEN, Subjects, shard_prefixes, worker_prefix
+
+ADMIN, GATEWAY, SCHEDULER, WORKER = "admin", "gateway", "scheduler", "worker"
+ROLES = (ADMIN, GATEWAY, SCHEDULER, WORKER)
+
+
+def inbox_prefix(user: str) -> str:
+    """The prefix of `user`'s request-reply inboxes."""
+    return f"_INBOX.{user}"
+
+
+def new_password() -> str:
+    return secrets.token_urlsafe(24)
+
+
+@dataclass(frozen=True)
+class NatsUser:
+    """One NATS user; a worker user hosts `worker_ids` (several for simulated workers)."""
+
+    name: str
+    password: str
+    role: str
+    worker_ids: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}, expected one of {', '.join(ROLES)}")
+        for token in (self.name, *self.worker_ids):  # a wildcard here would widen permissions
+            if not SUBJECT_TOKEN.fullmatch(token):
+                raise ValueError(f"user names and worker ids must match [A-Za-z0-9_-]+: {token!r}")
+        if (self.role == WORKER) != bool(self.worker_ids):
+            raise ValueError(f"user {self.name!r}: worker ids belong to (and only to) workers")
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """Subjects a user may publish to and subscribe to (everything else is denied)."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False
+
+
+def _unique(*subjects: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(subjects))
+
+
+def permissions(user: NatsUser, prefix: str, num_shards: int) -> Permissions | None:
+    """What `user` may do on a deployment with this prefix and shard count (None: anything)."""
+    shards = [Subjects(p) for p in shard_prefixes(prefix, num_shards)]
+    # Gateway heartbeats: on every shard's prefix and the deployment's own.
+    gateway_beats = _unique(*(s.gateway_heartbeat for s in [Subjects(prefix), *shards]))
+    inbox = f"{inbox_prefix(user.name)}.>"
+    if user.role == ADMIN:
+        return None
+    if user.role == GATEWAY:
+        return Permissions(
+            publish=_unique(*(x for s in shards for x in (s.submit, s.abort)), *gateway_beats),
+            subscribe=_unique(
+                *(x for s in shards for x in (s.output("*"), s.scheduler_heartbeat)), inbox
+            ),
+        )
+    if user.role == SCHEDULER:
+        return Permissions(
+            publish=_unique(
+                *(x for s in shards for x in (s.output("*"), s.plan("*"), s.scheduler_heartbeat))
+            ),
+            subscribe=_unique(
+                *(
+                    x
+                    for s in shards
+                    for x in (
+                        s.submit,
+                        s.abort,
+                        s.worker_hello,
+                        s.worker_heartbeat,
+                        s.result,
+                        s.scheduler_stats,
+                    )
+                ),
+                *gateway_beats,
+            ),
+            allow_responses=True,  # submit and stats replies
+        )
+    own = [(Subjects(worker_prefix(prefix, w, num_shards)), w) for w in user.worker_ids]
+    return Permissions(
+        publish=_unique(
+            *(x for s, _ in own for x in (s.worker_hello, s.worker_heartbeat, s.result))
+        ),
+        subscribe=_unique(*(s.plan(w) for s, w in own)),
+    )
+
+
+def authorization_block(users: list[NatsUser], prefix: str, num_shards: int) -> str:
+    """nats-server's `authorization { users = [...] }` for these users."""
+    if len({u.name for u in users}) != len(users):
+        raise ValueError("user names must be unique")
+    entries = []
+    for user in users:
+        entry: dict[str, object] = {"user": user.name, "password": user.password}
+        perms = permissions(user, prefix, num_shards)
+        if perms is not None:
+            rules: dict[str, object] = {
+                "publish": {"allow": list(perms.publish)},
+                "subscribe": {"allow": list(perms.subscribe)},
+            }
+            if perms.allow_responses:
+                rules["allow_responses"] = True
+            entry["permissions"] = rules
+        entries.append(entry)
+    return f"authorization {json.dumps({'users': entries}, indent=2)}\n"
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """TLS of a nats-server: its certificate and key; `ca` also makes it verify client
+    certificates (mutual TLS)."""
+
+    cert: str
+    key: str
+    ca: str = ""
+
+    def block(self) -> str:
+        tls: dict[str, object] = {"cert_file": self.cert, "key_file": self.key}
+        if self.ca:
+            tls.update(ca_file=self.ca, verify=True)
+        return f"tls {json.dumps(tls)}\n"
+
+
+def server_config(
+    users: list[NatsUser] | None,
+    prefix: str,
+    num_shards: int,
+    *,
+    tls: ServerTls | None = None,
+    max_payload: int | None = None,
+) -> str:
+    """A nats-server configuration file (listen address and port stay on its command line)."""
+    parts = []
+    if max_payload is not None:
+        parts.append(f"max_payload: {max_payload}\n")
+    if tls is not None:
+        parts.append(tls.block())
+    if users is not None:
+        parts.append(authorization_block(users, prefix, num_shards))
+    return "".join(parts)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (mode 0600 from the start)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _worker_user(spec: str, password_dir: Path) -> NatsUser:
+    name, _, ids = spec.partition("=")
+    return NatsUser(
+        name, _password(password_dir, name), WORKER, tuple(ids.split(",")) if ids else (name,)
+    )
+
+
+def _password(password_dir: Path, user: str) -> str:
+    return (password_dir / user).read_text().strip()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m shared.nats_auth",
+        description="Write a nats-server configuration with skiff's users and permissions.",
+    )
+    p.add_argument("--subject-prefix", default=DEFAULT_SUBJECT_PREFIX)
+    p.add_argument("--scheduler-shards", type=int, default=1)
+    p.add_argument(
+        "--password-dir", type=Path, required=True, help="one file per user, named by the user"
+    )
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="USER[=ID,...]",
+        help="a worker user and the worker ids it hosts (default: its own name); repeatable",
+    )
+    p.add_argument("--tls-cert", default="")
+    p.add_argument("--tls-key", default="")
+    p.add_argument("--tls-ca", default="", help="verify client certificates with this CA")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    try:
+        users = [
+            NatsUser(r, _password(args.password_dir, r), r) for r in (ADMIN, GATEWAY, SCHEDULER)
+        ]
+        users += [_worker_user(spec, args.password_dir) for spec in args.worker]
+        tls = ServerTls(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
+        text = server_config(users, args.subject_prefix, args.scheduler_shards, tls=tls)
+    except (OSError, ValueError) as exc:
+        p.error(str(exc))
+    write_private(args.out, text)
+
+
+if __name__ == "__main__":
+    main()

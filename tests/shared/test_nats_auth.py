@@ -1,0 +1,192 @@
+"""The generated NATS users and permissions: the rendered authorization block, and a real
+nats-server enforcing it (a worker reads only its own plans, replies reach only their asker)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import stat
+
+import nats
+import pytest
+
+from services.launcher import Stack, StackConfig
+from shared import bus
+from shared.nats_auth import (
+    ADMIN,
+    GATEWAY,
+    SCHEDULER,
+    WORKER,
+    NatsUser,
+    ServerTls,
+    authorization_block,
+    main,
+    permissions,
+    server_config,
+)
+from shared.protocol import SchedulerStats, SchedulerStatsRequest, encode
+
+
+def _user(role: str, *worker_ids: str, name: str | None = None) -> NatsUser:
+    return NatsUser(name or role, "pw", role, worker_ids)
+
+
+def test_gateway_permissions_cover_every_shard_and_nothing_of_workers():
+    perms = permissions(_user(GATEWAY), "p", 2)
+    assert perms is not None and not perms.allow_responses
+    assert perms.publish == (
+        "p.shard0.req.submit",
+        "p.shard0.req.abort",
+        "p.shard1.req.submit",
+        "p.shard1.req.abort",
+        "p.gateway.heartbeat",
+        "p.shard0.gateway.heartbeat",
+        "p.shard1.gateway.heartbeat",
+    )
+    assert perms.subscribe == (
+        "p.shard0.out.*",
+        "p.shard0.scheduler.heartbeat",
+        "p.shard1.out.*",
+        "p.shard1.scheduler.heartbeat",
+        "_INBOX.gateway.>",
+    )
+
+
+def test_scheduler_permissions_answer_requests_without_an_inbox():
+    perms = permissions(_user(SCHEDULER), "p", 1)
+    assert perms is not None and perms.allow_responses
+    assert perms.publish == ("p.out.*", "p.worker.*.plan", "p.scheduler.heartbeat")
+    assert perms.subscribe == (
+        "p.req.submit",
+        "p.req.abort",
+        "p.worker.hello",
+        "p.worker.heartbeat",
+        "p.worker.result",
+        "p.scheduler.stats",
+        "p.gateway.heartbeat",
+    )
+
+
+def test_a_worker_user_gets_only_its_own_workers_plans_on_their_shards():
+    perms = permissions(_user(WORKER, "w-2", "w-3", name="pod"), "p", 2)
+    assert perms is not None and not perms.allow_responses
+    assert perms.subscribe == ("p.shard0.worker.w-2.plan", "p.shard1.worker.w-3.plan")
+    assert perms.publish == (
+        "p.shard0.worker.hello",
+        "p.shard0.worker.heartbeat",
+        "p.shard0.worker.result",
+        "p.shard1.worker.hello",
+        "p.shard1.worker.heartbeat",
+        "p.shard1.worker.result",
+    )
+    assert permissions(_user(ADMIN), "p", 2) is None  # everything
+
+
+def test_users_are_checked():
+    with pytest.raises(ValueError, match="worker ids"):
+        NatsUser("w", "pw", WORKER)
+    with pytest.raises(ValueError, match="worker ids"):
+        NatsUser("g", "pw", GATEWAY, ("w-0",))
+    with pytest.raises(ValueError, match="must match"):
+        NatsUser("w", "pw", WORKER, ("*",))  # would allow every worker's plans
+    with pytest.raises(ValueError, match="role"):
+        NatsUser("x", "pw", "root")
+    with pytest.raises(ValueError, match="unique"):
+        authorization_block([_user(GATEWAY), _user(GATEWAY)], "p", 1)
+
+
+def test_the_authorization_block_lists_users_with_their_permissions():
+    users = [_user(ADMIN), _user(SCHEDULER), _user(WORKER, "w-0", name="w-0")]
+    text = authorization_block(users, "p", 1)
+    assert text.startswith("authorization {")
+    entries = json.loads(text.removeprefix("authorization "))["users"]
+    assert entries[0] == {"user": "admin", "password": "pw"}
+    assert entries[1]["permissions"]["allow_responses"] is True
+    assert entries[2]["permissions"] == {
+        "publish": {"allow": ["p.worker.hello", "p.worker.heartbeat", "p.worker.result"]},
+        "subscribe": {"allow": ["p.worker.w-0.plan"]},
+    }
+    tls = ServerTls("c.pem", "k.pem", "ca.pem")
+    conf = server_config(users, "p", 1, tls=tls, max_payload=2048)
+    assert conf.startswith('max_payload: 2048\ntls {"cert_file": "c.pem", "key_file": "k.pem", ')
+    assert '"verify": true' in conf and server_config(None, "p", 1) == ""
+
+
+def test_the_command_writes_a_private_config_from_password_files(tmp_path):
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    for user in ("admin", "gateway", "scheduler", "skiff-worker-0", "skiff-worker-1"):
+        (secrets / user).write_text(f"{user}-pw\n")
+    out = tmp_path / "nats.conf"
+    pod1 = "skiff-worker-1=skiff-worker-1-0,skiff-worker-1-1"  # two simulated workers
+    main(
+        [
+            "--subject-prefix", "p", "--password-dir", str(secrets), "--out", str(out),
+            "--worker", "skiff-worker-0", "--worker", pod1,
+        ]
+    )  # fmt: skip
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    users = json.loads(out.read_text().removeprefix("authorization "))["users"]
+    assert [u["password"] for u in users][-1] == "skiff-worker-1-pw"
+    assert users[-1]["permissions"]["subscribe"]["allow"] == [
+        "p.worker.skiff-worker-1-0.plan",
+        "p.worker.skiff-worker-1-1.plan",
+    ]
+    with pytest.raises(SystemExit):
+        main(["--password-dir", str(tmp_path / "missing"), "--out", str(out)])
+
+
+@pytest.fixture
+def broker():
+    """Our nats-server with the users of a stack of two (non-simulated) workers."""
+    server = Stack(StackConfig(model_dir="", served_model_name="", num_workers=2))
+    server.start_nats()
+    yield server
+    server.stop()
+
+
+def test_the_server_enforces_plans_per_worker_and_private_replies(broker):
+    async def run() -> None:
+        errors: list[str] = []
+
+        async def on_error(e: Exception) -> None:
+            errors.append(str(e))
+
+        def kwargs(user: str) -> dict:
+            return broker.nats_options(user)["options"].nats_kwargs()
+
+        scheduler = await nats.connect(broker.nats_url, **kwargs(SCHEDULER))
+        worker = await nats.connect(broker.nats_url, error_cb=on_error, **kwargs("worker-0"))
+        admin = await bus.connect(broker.nats_url, "admin", **broker.nats_options())
+        plans: list[str] = []
+
+        async def on_plan(msg) -> None:
+            plans.append(msg.subject)
+
+        await worker.subscribe("skiff.worker.worker-0.plan", cb=on_plan)
+        await worker.subscribe("skiff.worker.worker-1.plan", cb=on_plan)
+        await worker.subscribe("_INBOX.admin.>", cb=on_plan)
+        await worker.flush()
+        for w in ("worker-0", "worker-1"):
+            await scheduler.publish(f"skiff.worker.{w}.plan", b"plan")
+        await scheduler.flush()
+
+        async def on_stats(msg) -> None:  # the scheduler answers on the admin's inbox
+            await msg.respond(encode(SchedulerStats(epoch="e", num_requests=3)))
+
+        await scheduler.subscribe("skiff.scheduler.stats", cb=on_stats)
+        await scheduler.flush()
+        stats = await bus.request(
+            admin, "skiff.scheduler.stats", SchedulerStatsRequest(), SchedulerStats, 5
+        )
+        assert stats.num_requests == 3
+        await asyncio.sleep(0.3)
+        assert plans == ["skiff.worker.worker-0.plan"]
+        assert sorted(e for e in errors if "permissions violation" in e) == [
+            'nats: permissions violation for subscription to "_inbox.admin.>"',
+            'nats: permissions violation for subscription to "skiff.worker.worker-1.plan"',
+        ]
+        for nc in (scheduler, worker, admin):
+            await nc.close()
+
+    asyncio.run(run())
