@@ -71,5 +71,7 @@ class PromptEncoder:
             return await asyncio.to_thread(self._encode, text, add_special_tokens)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        encoding = self.tokenizer.backend.encode_batch_fast([text], add_special_tokens)[0]
+        encoding = self.tokenizer.backend.encode_batch_fast(
+            [text], add_special_tokens=add_special_tokens
+        )[0]
         return list(encoding.ids)
