@@ -21,8 +21,9 @@ RUN useradd --uid 10001 --user-group --create-home --home-dir /home/skiff skiff 
 COPY --from=build /opt/venv /opt/venv
 # XDG_CACHE_HOME: the default model's tokenizer is looked up in /cache/skiff/models/...
 # (the chart mounts a writable volume there; the root filesystem can stay read-only).
+# SKIFF_HOST: a container listens on every interface (`skiff gateway` alone binds 127.0.0.1).
 ENV PATH=/opt/venv/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
-    XDG_CACHE_HOME=/cache TOKENIZERS_PARALLELISM=false
+    XDG_CACHE_HOME=/cache TOKENIZERS_PARALLELISM=false SKIFF_HOST=0.0.0.0
 USER 10001:10001
 EXPOSE 8000
 ENTRYPOINT ["skiff", "gateway"]

@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--subject-prefix", default=DEFAULT_SUBJECT_PREFIX)
     p.add_argument("--scheduler-shards", type=int, default=1)
     p.add_argument(
-        "--password-dir", type=Path, required=True, help="one file per user, named by the user"
+        "--password-dir",
+        type=Path,
+        help="one file per user, named by the user (default: no users, anyone may connect)",
     )
     p.add_argument(
         "--worker",
@@ -208,11 +210,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tls-ca", default="", help="verify client certificates with this CA")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    if args.worker and args.password_dir is None:
+        p.error("--worker needs --password-dir")
     try:
-        users = [
-            NatsUser(r, _password(args.password_dir, r), r) for r in (ADMIN, GATEWAY, SCHEDULER)
-        ]
-        users += [_worker_user(spec, args.password_dir) for spec in args.worker]
+        users = None
+        if args.password_dir is not None:
+            users = [
+                NatsUser(r, _password(args.password_dir, r), r) for r in (ADMIN, GATEWAY, SCHEDULER)
+            ]
+            users += [_worker_user(spec, args.password_dir) for spec in args.worker]
         tls = ServerTls(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
         text = server_config(users, args.subject_prefix, args.scheduler_shards, tls=tls)
     except (OSError, ValueError) as exc:

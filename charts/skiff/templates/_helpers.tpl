@@ -106,3 +106,66 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
   volumeMounts:
     {{- include "skiff.scratchVolumeMounts" . | nindent 4 }}
 {{- end }}
+
+{{/* NATS users and TLS (values nats.auth, nats.tls). Users: admin, gateway, scheduler and one
+per worker pod, named by the pod; their permissions come from shared/nats_auth.py. */}}
+{{- define "skiff.natsAuthSecret" -}}
+{{- .Values.nats.auth.existingSecret | default (printf "%s-nats-auth" (include "skiff.fullname" .)) }}
+{{- end }}
+
+{{/* The worker pods' NATS users, space-separated: <fullname>-worker-<ordinal>. */}}
+{{- define "skiff.natsWorkerUsers" -}}
+{{- $users := list }}
+{{- range $i := until (int .Values.worker.replicas) }}
+{{- $users = append $users (printf "%s-worker-%d" (include "skiff.fullname" $) $i) }}
+{{- end }}
+{{- join " " $users }}
+{{- end }}
+
+{{/* A service's NATS user and CA: (dict "ctx" $ "user" "gateway"). */}}
+{{- define "skiff.natsClientEnv" -}}
+{{- if .ctx.Values.nats.auth.enabled }}
+- name: SKIFF_NATS_USER
+  value: {{ .user | quote }}
+- name: SKIFF_NATS_PASSWORD_FILE
+  value: {{ printf "/etc/skiff/nats-auth/%s" .user | quote }}
+{{- end }}
+{{- if .ctx.Values.nats.tls.enabled }}
+- name: SKIFF_NATS_TLS_CA
+  value: /etc/skiff/nats-tls/ca.crt
+{{- end }}
+{{- end }}
+
+{{- define "skiff.natsClientVolumeMounts" -}}
+{{- if .Values.nats.auth.enabled }}
+- name: nats-auth
+  mountPath: /etc/skiff/nats-auth
+  readOnly: true
+{{- end }}
+{{- if .Values.nats.tls.enabled }}
+- name: nats-tls
+  mountPath: /etc/skiff/nats-tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The password files of `users` only: (dict "ctx" $ "users" (list "gateway")). */}}
+{{- define "skiff.natsClientVolumes" -}}
+{{- if .ctx.Values.nats.auth.enabled }}
+- name: nats-auth
+  secret:
+    secretName: {{ include "skiff.natsAuthSecret" .ctx }}
+    defaultMode: 0440
+    items:
+      {{- range .users }}
+      - {key: {{ . }}, path: {{ . }}}
+      {{- end }}
+{{- end }}
+{{- if .ctx.Values.nats.tls.enabled }}
+- name: nats-tls
+  secret:
+    secretName: {{ required "nats.tls.secretName is required when nats.tls.enabled" .ctx.Values.nats.tls.secretName }}
+    items:
+      - {key: ca.crt, path: ca.crt}
+{{- end }}
+{{- end }}
