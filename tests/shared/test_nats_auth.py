@@ -134,6 +134,8 @@ def test_the_command_writes_a_private_config_from_password_files(tmp_path):
     ]
     with pytest.raises(SystemExit):
         main(["--password-dir", str(tmp_path / "missing"), "--out", str(out)])
+    main(["--tls-cert", "c.pem", "--tls-key", "k.pem", "--out", str(out)])  # TLS, no users
+    assert out.read_text() == 'tls {"cert_file": "c.pem", "key_file": "k.pem"}\n'
 
 
 @pytest.fixture
