@@ -143,7 +143,8 @@ def serve(smollm2_dir, tmp_path_factory) -> Iterator[Serve]:
         *("--served-model-name", MODEL, "--port", str(port)),
         *("--worker-device", "sim", "--workers", "2", "--sim-step-base-ms", "20"),
     ]
-    env = {**os.environ, "SKIFF_CACHE_DIR": str(cache)}
+    # no fixed metrics port: other stacks may run side by side
+    env = {**os.environ, "SKIFF_CACHE_DIR": str(cache), "SKIFF_SCHEDULER_METRICS_PORT": "0"}
     s = Serve(argv, env, f"http://127.0.0.1:{port}", cache / "logs")
     s.wait_for("skiff is serving", 120)
     yield s
