@@ -74,8 +74,11 @@ class StackConfig:
     nats_auth: bool = setting(
         True, "our nats-server: generated credentials, a user per service with only its subjects"
     )
-    nats_tls_cert: str = setting("", "our nats-server: TLS certificate (needs --nats-tls-ca)")
-    nats_tls_key: str = setting("", "our nats-server: the certificate's private key")
+    # Not nats_tls_cert/key: the services read those (their client certificate) from SKIFF_*.
+    nats_server_tls_cert: str = setting(
+        "", "our nats-server's TLS certificate (with --nats-tls-ca)"
+    )
+    nats_server_tls_key: str = setting("", "our nats-server's TLS private key")
     nats_tls_ca: str = setting("", "CA of the NATS server's certificate: every service uses TLS")
     num_workers: int = setting(1, "workers to start", name="workers")
     worker_device: str = setting(
@@ -139,12 +142,12 @@ class Stack:
         port = self.nats_url.rsplit(":", 1)[1]
         argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", port]
         tls = None
-        if c.nats_tls_cert or c.nats_tls_key:
-            if not (c.nats_tls_cert and c.nats_tls_key and c.nats_tls_ca):
+        if c.nats_server_tls_cert or c.nats_server_tls_key:
+            if not (c.nats_server_tls_cert and c.nats_server_tls_key and c.nats_tls_ca):
                 raise StartupError(
-                    "NATS TLS needs --nats-tls-cert, --nats-tls-key and --nats-tls-ca"
+                    "NATS TLS needs --nats-server-tls-cert, --nats-server-tls-key and --nats-tls-ca"
                 )
-            tls = ServerTls(c.nats_tls_cert, c.nats_tls_key)
+            tls = ServerTls(c.nats_server_tls_cert, c.nats_server_tls_key)
         users = list(self._generate_nats_users().values()) if c.nats_auth else None
         conf = server_config(
             users, c.subject_prefix, c.scheduler_shards, tls=tls, max_payload=c.nats_max_payload

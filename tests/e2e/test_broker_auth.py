@@ -276,8 +276,8 @@ def test_tls_with_a_custom_ca(launch_stack, certificates):
     stack = launch_stack(
         "tls-stack",
         worker_device="sim",
-        nats_tls_cert=str(certificates / "server.pem"),
-        nats_tls_key=str(certificates / "server.key"),
+        nats_server_tls_cert=str(certificates / "server.pem"),
+        nats_server_tls_key=str(certificates / "server.key"),
         nats_tls_ca=str(certificates / "ca.pem"),
     )
     try:
