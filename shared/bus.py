@@ -108,8 +108,8 @@ async def connect(
 ) -> Client:
     """Connect and keep reconnecting forever (also for the first connection): a NATS blip must
     never end a service. The hooks run after the event is logged; after a reconnection,
-    messages in flight may have been lost. A refused credential is logged and retried (the
-    secret may be fixed without a restart)."""
+    messages in flight may have been lost. A refused credential is logged and retried too: a
+    NATS server whose users are not loaded yet ends no service."""
 
     async def error_cb(exc: Exception) -> None:
         log.warning("nats error: %s", exc)
