@@ -63,7 +63,7 @@ class NatsClientConfig:
 
 @dataclass(frozen=True)
 class SchedulerServiceConfig(NatsClientConfig):
-    """The scheduler service: NATS, admission limits, liveness and drain timeouts."""
+    """The scheduler service: NATS, admission limits, liveness of workers and gateways."""
 
     subject_prefix: str = setting(DEFAULT_SUBJECT_PREFIX, "prefix of every NATS subject")
     model_name: str = setting("", "label of the vllm:* metrics", name="served_model_name")
@@ -75,18 +75,30 @@ class SchedulerServiceConfig(NatsClientConfig):
         5.0, "a worker silent this long is declared lost", name="worker_timeout"
     )
     step_timeout_s: float = setting(
-        120.0, "a step result this late: the plan or result was lost", name="step_timeout"
+        20.0,
+        "a step's result is due within this plus --step-timeout-per-token per scheduled "
+        "token; a worker that misses it gets no requests until it answers a probe",
+        name="step_timeout",
     )
-    drain_timeout_s: float = setting(
-        30.0, "on SIGTERM, wait this long for running requests", name="drain_timeout"
+    step_timeout_per_token_s: float = setting(
+        0.01,
+        "seconds added to a step's deadline per scheduled token",
+        name="step_timeout_per_token",
     )
+    gateway_timeout_s: float = setting(
+        15.0, "abort the requests of a gateway silent this long", name="gateway_timeout"
+    )
+    metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics server")
     metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0: off)")
     log_level: str = setting(DEFAULT_LOG_LEVEL, "DEBUG, INFO, WARNING or ERROR")
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_waiting")
-        if min(self.heartbeat_interval_s, self.worker_timeout_s, self.step_timeout_s) <= 0:
+        timeouts = (self.worker_timeout_s, self.step_timeout_s, self.gateway_timeout_s)
+        if min(self.heartbeat_interval_s, *timeouts) <= 0:
             raise ValueError("heartbeat interval and timeouts must be > 0")
+        if self.step_timeout_per_token_s < 0:
+            raise ValueError("step_timeout_per_token must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,8 @@ class OutputBatch(msgspec.Struct, kw_only=True):
 
 
 class SchedulerHeartbeat(msgspec.Struct, kw_only=True):
-    """Published periodically; a new `epoch` means the scheduler restarted."""
+    """Published periodically; a new `epoch` means the scheduler restarted. `leaving` is set on
+    the last one of a scheduler that shuts down: its requests move to the next scheduler."""
 
     epoch: str
     num_ready_workers: int
@@ -172,6 +173,15 @@ class SchedulerHeartbeat(msgspec.Struct, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    leaving: bool = False
+    version: int = PROTOCOL_VERSION
+
+
+class GatewayHeartbeat(msgspec.Struct, kw_only=True):
+    """Published periodically by each gateway to every shard: a scheduler aborts the requests
+    of a gateway it no longer hears from."""
+
+    gateway_id: str
     version: int = PROTOCOL_VERSION
 
 
@@ -186,7 +196,8 @@ class SchedulerStatsRequest(msgspec.Struct, kw_only=True):
 
 class WorkerStats(msgspec.Struct, kw_only=True):
     """One worker's load and KV blocks as its scheduling core sees them; the counters are
-    cumulative. `statuses` maps each unfinished request to its status."""
+    cumulative. `statuses` maps each unfinished request to its status. An unhealthy worker
+    missed a step deadline and gets no requests until it answers a probe."""
 
     num_blocks: int
     num_free_blocks: int
@@ -197,15 +208,18 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which found cached
     statuses: dict[str, str] = {}
+    healthy: bool = True
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):
     """The scheduler's state for tests and operators: requests it holds (placed or waiting
-    for a worker) and each worker's stats."""
+    for a worker), each worker's stats, and the requests it aborted because their gateway went
+    silent (cumulative)."""
 
     epoch: str
     num_requests: int
     workers: dict[str, WorkerStats] = {}
+    num_orphans_aborted: int = 0
     version: int = PROTOCOL_VERSION
 
 

@@ -1,4 +1,4 @@
-"""Whether a submission is accepted: not while draining or without workers, not beyond the
+"""Whether a submission is accepted: not while leaving or without healthy workers, not beyond the
 queue limit, not twice, and only within the rules of `shared.sampling_params`."""
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from shared.sampling_params import (
 
 
 class Admission:
-    """Answers each `SubmitRequest` with the reply the gateway gets; `draining` refuses all."""
+    """Answers each `SubmitRequest` with the reply the gateway gets; `leaving` refuses all."""
 
     def __init__(self, pool: WorkerPool, placement: Placement, max_waiting: int) -> None:
         self.pool = pool
         self.placement = placement
         self.max_waiting = max_waiting
-        self.draining = False
+        self.leaving = False
 
     def check(self, sub: SubmitRequest) -> SubmitReply:
-        if self.draining:
+        if self.leaving:
             return _reject(503, "scheduler is shutting down")
-        if not self.pool.workers:
+        if not self.pool.num_healthy:
             return _reject(503, "no worker is ready")
         if self.pool.num_waiting >= self.max_waiting:
             return _reject(429, "the request queue is full")

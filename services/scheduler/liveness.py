@@ -1,5 +1,6 @@
-"""Which workers are driven: adopts new and restarted workers, drops silent ones, and
-re-places the requests of a worker whose state is gone on the live ones."""
+"""Which workers are driven: adopts new and restarted workers, drops silent ones, takes a worker
+that misses a step deadline out of placement until it answers a probe, and re-places the
+requests of a worker whose state is gone on the healthy ones."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable
 
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import Placement
+from services.scheduler.probe import HealthProbe
 from services.scheduler.request import Request
 from services.scheduler.worker_driver import WorkerDriver
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
@@ -17,36 +19,69 @@ log = logging.getLogger("skiff.scheduler")
 
 
 class Liveness:
-    """Keeps one running `WorkerDriver` per live worker; `start_driver` makes and starts one."""
+    """Keeps one running `WorkerDriver` per healthy worker and one `HealthProbe` per unhealthy
+    one; `start_driver` and `start_probe` make and start them."""
 
     def __init__(
         self,
         pool: WorkerPool,
         placement: Placement,
         start_driver: Callable[[WorkerHandle], WorkerDriver],
+        start_probe: Callable[[WorkerHandle], HealthProbe],
         metrics: SchedulerMetrics,
     ) -> None:
         self.pool = pool
         self.placement = placement
         self._start_driver = start_driver
+        self._start_probe = start_probe
         self._metrics = metrics
         self.drivers: dict[str, WorkerDriver] = {}
+        self.probes: dict[str, HealthProbe] = {}
 
     def adopt(self, hello: WorkerHello, fresh: bool = False) -> None:
-        """Start driving a new worker, or a fresh core for one whose state is gone; a hello
-        from a known instance only records that it is alive."""
+        """Start driving a new worker, or a fresh core for one whose state is gone (probing it
+        first if it is unhealthy); a hello from a known instance only records that it is
+        alive."""
         worker, replaced = self.pool.register(hello, fresh)
+        wid = hello.worker_id
+        if replaced is None and (wid in self.drivers or wid in self.probes):
+            return
         survivors: list[Request] = []
         if replaced is not None:
-            log.warning("worker %s state reset: its KV cache is gone", hello.worker_id)
+            log.warning("worker %s state reset: its KV cache is gone", wid)
             survivors = self._stop(replaced)
-        if hello.worker_id not in self.drivers:
-            log.info(
-                "worker %s ready: %s, %d blocks", hello.worker_id, hello.model, hello.num_blocks
-            )
-            self.drivers[hello.worker_id] = self._start_driver(worker)
-            self._migrate(survivors)
-            self.placement.place_unplaced()
+        if worker.healthy:
+            log.info("worker %s ready: %s, %d blocks", wid, hello.model, hello.num_blocks)
+            self._drive(worker)
+        else:
+            self.probes[wid] = self._start_probe(worker)
+        self._migrate(survivors)
+        self.placement.place_unplaced()
+
+    def on_stall(self, worker: WorkerHandle) -> None:
+        """A step of `worker` missed its deadline: its requests move, with their tokens, to
+        the healthy workers, and it gets none until it answers a probe."""
+        log.error(
+            "worker %s missed a step deadline: unhealthy until it answers a probe; "
+            "moving its %d requests",
+            worker.worker_id,
+            len(worker.core.requests),
+        )
+        self._metrics.step_timeouts.labels(worker.worker_id).inc()
+        self._metrics.worker_healthy.labels(worker.worker_id).set(0)
+        worker.healthy = False
+        self.adopt(worker.hello, fresh=True)
+
+    def on_healthy(self, worker: WorkerHandle) -> None:
+        """`worker` answered its probe: drive it again."""
+        probe = self.probes.get(worker.worker_id)
+        if probe is None or probe.worker is not worker:
+            return
+        del self.probes[worker.worker_id]
+        log.warning("worker %s answered its probe: healthy again", worker.worker_id)
+        worker.healthy = True
+        self._drive(worker)
+        self.placement.place_unplaced()
 
     def reset_all(self) -> None:
         """Restart every worker on a fresh core (a new session makes the worker drop its
@@ -62,6 +97,7 @@ class Liveness:
                 "worker %s missed its heartbeats: re-placing its requests", worker.worker_id
             )
             self.pool.remove(worker.worker_id)
+            self._metrics.worker_healthy.remove(worker.worker_id)
             self._migrate(self._stop(worker))
 
     def wake(self, worker_id: str) -> None:
@@ -73,17 +109,31 @@ class Liveness:
         driver = self.drivers.get(output.worker_id)
         if driver is not None:
             driver.on_result(output)
+        probe = self.probes.get(output.worker_id)
+        if probe is not None:
+            probe.on_result(output)
 
     def stop(self) -> None:
         for driver in self.drivers.values():
             driver.stop()
+        for probe in self.probes.values():
+            probe.stop()
         self.drivers.clear()
+        self.probes.clear()
+
+    def _drive(self, worker: WorkerHandle) -> None:
+        self._metrics.worker_healthy.labels(worker.worker_id).set(1)
+        self.drivers[worker.worker_id] = self._start_driver(worker)
 
     def _stop(self, worker: WorkerHandle) -> list[Request]:
-        """Stop driving a worker whose state is gone; returns its unfinished requests."""
+        """Stop driving or probing a worker whose state is gone; returns its unfinished
+        requests."""
         driver = self.drivers.pop(worker.worker_id, None)
         if driver is not None:
             driver.stop()
+        probe = self.probes.pop(worker.worker_id, None)
+        if probe is not None:
+            probe.stop()
         return self.placement.evacuate(worker)
 
     def _migrate(self, survivors: list[Request]) -> None:

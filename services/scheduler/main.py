@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 
 from prometheus_client import start_http_server
 
 from services.scheduler.service import SchedulerService
 from shared.cli_args import ConfigParser, setup_logging, wait_for_signal
 from shared.config import SchedulerConfig, SchedulerServiceConfig
+
+log = logging.getLogger("skiff.scheduler")
 
 
 def build_parser() -> ConfigParser:
@@ -36,10 +39,20 @@ def tune_gc() -> None:
 async def serve(config: SchedulerServiceConfig, scheduler_config: SchedulerConfig) -> None:
     service = SchedulerService(config, scheduler_config)
     if config.metrics_port:
-        start_http_server(config.metrics_port, registry=service.metrics.registry)
+        try:
+            start_http_server(
+                config.metrics_port, config.metrics_host, registry=service.metrics.registry
+            )
+        except OSError as exc:  # e.g. another scheduler has it: schedule all the same
+            log.error(
+                "no /metrics: cannot serve on %s:%d: %s",
+                config.metrics_host,
+                config.metrics_port,
+                exc,
+            )
     await service.start()
     await wait_for_signal()
-    await service.drain()
+    await service.hand_over()
 
 
 def main(argv: list[str] | None = None) -> None:

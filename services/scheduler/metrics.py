@@ -36,9 +36,29 @@ class SchedulerMetrics:
             labels,
             registry=r,
         ).labels(model_name)
-        self.workers_ready = Gauge("skiff_workers_ready", "Workers sending heartbeats.", registry=r)
+        self.workers_ready = Gauge(
+            "skiff_workers_ready", "Healthy workers sending heartbeats.", registry=r
+        )
         self.migrations = Counter(
             "skiff_request_migrations", "Requests moved off a lost worker.", registry=r
+        )
+        self.step_timeouts = Counter(
+            "skiff_worker_step_timeouts",
+            "Steps whose result missed its deadline; the worker is then unhealthy.",
+            ["worker_id"],
+            registry=r,
+        )
+        self.worker_healthy = Gauge(
+            "skiff_worker_healthy",
+            "1 while a worker gets requests, 0 from a missed step deadline until it answers "
+            "a probe.",
+            ["worker_id"],
+            registry=r,
+        )
+        self.orphans_aborted = Counter(
+            "skiff_orphaned_requests_aborted",
+            "Requests aborted because their gateway stopped sending heartbeats.",
+            registry=r,
         )
         self.step_seconds = Histogram(
             "skiff_step_round_trip_seconds",

@@ -23,6 +23,9 @@ class OutputRouter:
     def forget(self, req_id: str) -> None:
         self.gateway_of.pop(req_id, None)
 
+    def requests_of(self, gateway_id: str) -> list[str]:
+        return [r for r, g in self.gateway_of.items() if g == gateway_id]
+
     async def publish(self, outputs: list[RequestOutput]) -> None:
         """Send each output to its request's gateway; a finished request is forgotten."""
         by_gateway: dict[str, list[TokenDelta]] = defaultdict(list)

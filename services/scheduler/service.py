@@ -1,5 +1,6 @@
 """The scheduler service: wires the NATS subjects to admission, placement, the worker drivers,
-liveness, output routing and telemetry, and runs the periodic liveness check and heartbeat.
+liveness of workers and gateways, output routing and telemetry, and runs the periodic liveness
+checks and heartbeat.
 
 See docs/architecture.md for how the parts fit together.
 """
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -16,21 +16,25 @@ import msgspec
 from nats.aio.client import Client
 
 from services.scheduler.admission import Admission
+from services.scheduler.gateways import GatewayLiveness
 from services.scheduler.liveness import Liveness
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.output_router import OutputRouter
 from services.scheduler.placement import Placement
+from services.scheduler.probe import HealthProbe
 from services.scheduler.request import FinishReason, Request
 from services.scheduler.scheduler import RequestOutput
 from services.scheduler.telemetry import Telemetry
-from services.scheduler.worker_driver import WorkerDriver
+from services.scheduler.worker_driver import StepDeadline, WorkerDriver
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared import bus
 from shared.config import SchedulerConfig, SchedulerServiceConfig
 from shared.epochs import new_epoch
 from shared.protocol import (
     AbortRequests,
+    GatewayHeartbeat,
     ModelRunnerOutput,
+    SchedulerHeartbeat,
     SchedulerStats,
     SchedulerStatsRequest,
     SubmitReply,
@@ -52,8 +56,13 @@ class SchedulerService:
         self.placement = Placement(self.pool, wake=self._wake)
         self.admission = Admission(self.pool, self.placement, config.max_waiting)
         self.router = OutputRouter(self._publish, self.subjects)
-        self.liveness = Liveness(self.pool, self.placement, self._start_driver, self.metrics)
+        self.liveness = Liveness(
+            self.pool, self.placement, self._start_driver, self._start_probe, self.metrics
+        )
+        self.gateways = GatewayLiveness()
+        self.num_orphans_aborted = 0
         self.telemetry = Telemetry(self.epoch, self.pool, self.placement, self.metrics)
+        self.deadline = StepDeadline(config.step_timeout_s, config.step_timeout_per_token_s)
         self.nc: Client  # set by start()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -74,33 +83,39 @@ class SchedulerService:
         await bus.subscribe(nc, s.worker_hello, WorkerHello, self._on_hello)
         await bus.subscribe(nc, s.worker_heartbeat, WorkerHello, self._on_hello)
         await bus.subscribe(nc, s.result, ModelRunnerOutput, self._on_result)
+        await bus.subscribe(nc, s.gateway_heartbeat, GatewayHeartbeat, self._on_gateway_heartbeat)
         await bus.serve(nc, s.scheduler_stats, SchedulerStatsRequest, self._on_stats)
         self._spawn(self._monitor())
         log.info("scheduler up, epoch %s", self.epoch)
 
-    async def drain(self) -> None:
-        """Refuse new work, let running requests finish (bounded), then stop."""
-        self.admission.draining = True
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.placement.num_placed and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        await self.stop()
+    async def hand_over(self) -> None:
+        """Leave at once, for the next scheduler to take over: refuse new work, stop driving
+        workers and announce it with a last heartbeat (`leaving`). Gateways move the requests
+        in flight to the next scheduler as after a crash, under its new epoch, and workers
+        drop their state on its first plan."""
+        self.admission.leaving = True
+        log.info("leaving: handing %d requests over", self.placement.num_requests)
+        await self.stop(self.telemetry.heartbeat(leaving=True))
 
-    async def stop(self) -> None:
+    async def stop(self, last_heartbeat: SchedulerHeartbeat | None = None) -> None:
         for task in self._tasks:
             task.cancel()
         self.liveness.stop()
+        if last_heartbeat is not None and self.nc.is_connected:
+            await bus.publish(self.nc, self.subjects.scheduler_heartbeat, last_heartbeat)
         await self.nc.drain()
 
     async def _on_reconnect(self) -> None:
         self.liveness.reset_all()
+        self.gateways.reset()
 
     async def _monitor(self) -> None:
         while True:
             self.liveness.expire(self.config.worker_timeout_s)
+            self._abort_orphans()
             self.telemetry.refresh_gauges()
             if self.nc.is_connected:
-                heartbeat = self.telemetry.heartbeat(self.admission.draining)
+                heartbeat = self.telemetry.heartbeat()
                 await bus.publish(self.nc, self.subjects.scheduler_heartbeat, heartbeat)
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
@@ -141,7 +156,28 @@ class SchedulerService:
             self.router.forget(req_id)
 
     async def _on_stats(self, _: SchedulerStatsRequest) -> SchedulerStats:
-        return self.telemetry.stats()
+        return self.telemetry.stats(self.num_orphans_aborted)
+
+    async def _on_gateway_heartbeat(self, beat: GatewayHeartbeat) -> None:
+        self.gateways.on_heartbeat(beat)
+
+    def _abort_orphans(self) -> None:
+        """Abort the requests of the gateways gone silent: nobody reads their tokens."""
+        for gateway_id in self.gateways.silent(self.config.gateway_timeout_s):
+            orphans = self.router.requests_of(gateway_id)
+            if not orphans:
+                continue
+            log.warning(
+                "gateway %s silent for %.0f s: aborting its %d requests",
+                gateway_id,
+                self.config.gateway_timeout_s,
+                len(orphans),
+            )
+            for req_id in orphans:
+                self.placement.abort(req_id)
+                self.router.forget(req_id)
+            self.num_orphans_aborted += len(orphans)
+            self.metrics.orphans_aborted.inc(len(orphans))
 
     # ---- worker side -------------------------------------------------------------------
 
@@ -157,22 +193,31 @@ class SchedulerService:
             publish=self._publish,
             plan_subject=self.subjects.plan(worker.worker_id),
             epoch=self.epoch,
-            step_timeout_s=self.config.step_timeout_s,
+            deadline=self.deadline,
             metrics=self.metrics,
             on_outputs=self._on_outputs,
-            on_stall=self._on_stall,
+            on_stall=self.liveness.on_stall,
         )
         driver.start()
         return driver
+
+    def _start_probe(self, worker: WorkerHandle) -> HealthProbe:
+        probe = HealthProbe(
+            worker,
+            publish=self._publish,
+            plan_subject=self.subjects.plan(worker.worker_id),
+            epoch=self.epoch,
+            interval_s=self.config.step_timeout_s,
+            on_healthy=self.liveness.on_healthy,
+        )
+        probe.start()
+        return probe
 
     async def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if out.finish_reason is not None:
                 self.placement.finish(out.req_id)
         await self.router.publish(outputs)  # gauges follow on the monitor's tick, not per step
-
-    def _on_stall(self, worker: WorkerHandle) -> None:
-        self.liveness.adopt(worker.hello, fresh=True)
 
     def _wake(self, worker_id: str) -> None:
         self.liveness.wake(worker_id)

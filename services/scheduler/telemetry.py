@@ -22,29 +22,32 @@ class Telemetry:
         self.metrics = metrics
         self._counted: dict[Counter, int] = {}  # totals already added to each counter
 
-    def heartbeat(self, draining: bool) -> SchedulerHeartbeat:
-        """A draining scheduler reports no ready worker, so gateways stop sending to it."""
+    def heartbeat(self, leaving: bool = False) -> SchedulerHeartbeat:
+        """Ready workers are the healthy ones; a leaving scheduler reports none, so gateways
+        stop sending to it."""
         stats = list(self.pool.make_stats().values())
         return SchedulerHeartbeat(
             epoch=self.epoch,
-            num_ready_workers=0 if draining else len(stats),
+            num_ready_workers=0 if leaving else self.pool.num_healthy,
             model=self.pool.model,
             max_model_len=self.pool.max_model_len,
             num_running=sum(s.num_running for s in stats),
             num_waiting=self._num_waiting(stats),
             kv_cache_usage=max((s.kv_cache_usage for s in stats), default=0.0),
+            leaving=leaving,
         )
 
-    def stats(self) -> SchedulerStats:
+    def stats(self, num_orphans_aborted: int = 0) -> SchedulerStats:
         return SchedulerStats(
             epoch=self.epoch,
             num_requests=self.placement.num_requests,
             workers={
                 wid: msgspec.structs.replace(
-                    w.core.make_stats(), statuses=w.core.request_statuses()
+                    w.core.make_stats(), statuses=w.core.request_statuses(), healthy=w.healthy
                 )
                 for wid, w in self.pool.workers.items()
             },
+            num_orphans_aborted=num_orphans_aborted,
         )
 
     def refresh_gauges(self) -> None:
@@ -52,7 +55,7 @@ class Telemetry:
         m.running.set(sum(s.num_running for s in stats))
         m.waiting.set(self._num_waiting(stats))
         m.kv_usage.set(max((s.kv_cache_usage for s in stats), default=0.0))
-        m.workers_ready.set(len(stats))
+        m.workers_ready.set(self.pool.num_healthy)
         totals = {
             m.prefix_queries: sum(s.prefix_cache_queries for s in stats),
             m.prefix_hits: sum(s.prefix_cache_hits for s in stats),

@@ -24,17 +24,31 @@ log = logging.getLogger("skiff.scheduler")
 Publish = Callable[[str, msgspec.Struct], Awaitable[int]]  # returns the encoded size
 
 
+@dataclass(frozen=True)
+class StepDeadline:
+    """How long a step's result may take once the worker can start it: `base_s` plus
+    `per_token_s` per scheduled token."""
+
+    base_s: float
+    per_token_s: float = 0.0
+
+    def seconds(self, num_tokens: int) -> float:
+        return self.base_s + self.per_token_s * num_tokens
+
+
 @dataclass
 class StepInFlight:
     step_id: int
+    num_tokens: int  # scheduled in this step
     published_at: float  # perf_counter() after the plan was handed to NATS
     result: asyncio.Future[ModelRunnerOutput]
 
 
 class WorkerDriver:
     """Drives one worker's core. `on_outputs` receives each step's outputs; `on_stall` is
-    called (from the loop, which then ends) when a step's result is later than
-    `step_timeout_s`: the plan or its result was lost and the worker's state is in doubt."""
+    called (from the loop, which then ends) when a step's result misses its `deadline`,
+    counted from when the worker could start it (its publication, or the previous result with
+    two plans in flight): the worker hangs, or the plan or its result was lost."""
 
     def __init__(
         self,
@@ -43,7 +57,7 @@ class WorkerDriver:
         publish: Publish,
         plan_subject: str,
         epoch: str,
-        step_timeout_s: float,
+        deadline: StepDeadline,
         metrics: SchedulerMetrics,
         on_outputs: Callable[[list[RequestOutput]], Awaitable[None]],
         on_stall: Callable[[WorkerHandle], None],
@@ -51,8 +65,8 @@ class WorkerDriver:
         self.worker = worker
         self._publish = publish
         self._plan_subject = plan_subject
-        self._session = f"{epoch}:{worker.session}"
-        self._step_timeout_s = step_timeout_s
+        self._session = worker.plan_session(epoch)
+        self._deadline = deadline
         self._metrics = metrics
         self._on_outputs = on_outputs
         self._on_stall = on_stall
@@ -93,7 +107,8 @@ class WorkerDriver:
                 continue
             step = self._in_flight[0]
             try:
-                output = await asyncio.wait_for(step.result, self._step_timeout_s)
+                timeout = self._deadline.seconds(step.num_tokens)
+                output = await asyncio.wait_for(step.result, timeout)
             except TimeoutError:
                 self._stall(step.step_id)
                 return
@@ -121,7 +136,12 @@ class WorkerDriver:
             now = time.monotonic()
             for new in plan.new_reqs:  # first admission (or arrival on this worker)
                 self._metrics.queue_time.observe(now - core.requests[new.req_id].arrival_time)
-            step = StepInFlight(plan.step_id, time.perf_counter(), loop.create_future())
+            step = StepInFlight(
+                plan.step_id,
+                plan.total_num_scheduled_tokens,
+                time.perf_counter(),
+                loop.create_future(),
+            )
             self._in_flight.append(step)  # before the await: the result may beat it back
             self._metrics.plan_bytes.observe(await self._publish(self._plan_subject, plan))
             step.published_at = time.perf_counter()
@@ -132,7 +152,7 @@ class WorkerDriver:
         await self._wakeup.wait()
 
     def _stall(self, step_id: int) -> None:
-        log.error("worker %s: no result for step %d; resetting it", self.worker.worker_id, step_id)
+        log.error("worker %s: no result for step %d in time", self.worker.worker_id, step_id)
         self._task = None  # the loop ends here, so stop() must not cancel it
         self._in_flight.clear()
         self._on_stall(self.worker)

@@ -1,5 +1,5 @@
 """The workers a scheduler drives: one scheduling core (block pool included) per worker, and
-the choice of the worker where a new request costs least."""
+the choice of the healthy worker where a new request costs least."""
 
 from __future__ import annotations
 
@@ -20,10 +20,15 @@ class WorkerHandle:
     core: Scheduler
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # new core, new session
     last_seen: float = field(default_factory=time.monotonic)
+    healthy: bool = True  # False from a missed step deadline until it answers a probe
 
     @property
     def worker_id(self) -> str:
         return self.hello.worker_id
+
+    def plan_session(self, epoch: str) -> str:
+        """`BatchPlan.worker_session` of this core's plans under the scheduler's `epoch`."""
+        return f"{epoch}:{self.session}"
 
 
 class WorkerPool:
@@ -36,7 +41,8 @@ class WorkerPool:
     ) -> tuple[WorkerHandle, WorkerHandle | None]:
         """Add a worker; returns (handle, replaced) where `replaced` is a previous instance of
         the same worker id whose state is gone. `fresh` forces a new core (and session) for a
-        known instance whose state can no longer be trusted."""
+        known instance whose state can no longer be trusted; it stays as healthy as it was.
+        A new instance is healthy."""
         old = self.workers.get(hello.worker_id)
         if old is not None and old.hello.instance_id == hello.instance_id and not fresh:
             old.last_seen = time.monotonic()
@@ -51,6 +57,8 @@ class WorkerPool:
         if old is not None:  # step ids keep rising, so a late result of the old core is ignored
             core.step_id = old.core.step_id + 1
         handle = WorkerHandle(hello, core)
+        if old is not None and old.hello.instance_id == hello.instance_id:
+            handle.healthy = old.healthy
         self.workers[hello.worker_id] = handle
         return handle, old
 
@@ -76,6 +84,10 @@ class WorkerPool:
         return min((w.hello.vocab_size for w in self.workers.values()), default=0)
 
     @property
+    def num_healthy(self) -> int:
+        return sum(w.healthy for w in self.workers.values())
+
+    @property
     def num_waiting(self) -> int:
         return sum(len(w.core.waiting) for w in self.workers.values())
 
@@ -85,12 +97,13 @@ class WorkerPool:
     # ---- placement -----------------------------------------------------------------------
 
     def select(self, request: Request) -> WorkerHandle:
-        """The worker where `request` costs least: the full blocks of its tokens not cached
-        there plus the blocks in use there, counted in tokens (blocks of that worker's own
-        size times its block size, so workers with different block sizes compare fairly),
+        """The healthy worker where `request` costs least: the full blocks of its tokens not
+        cached there plus the blocks in use there, counted in tokens (blocks of that worker's
+        own size times its block size, so workers with different block sizes compare fairly),
         plus the tokens of the requests queued there and not yet scheduled (so a burst spreads
         before any of it holds blocks); ties go to the worker holding fewer requests."""
-        if not self.workers:
+        healthy = [w for w in self.workers.values() if w.healthy]
+        if not healthy:
             raise LookupError("no worker is ready")
         token_ids = request.all_token_ids
 
@@ -100,4 +113,4 @@ class WorkerPool:
             tokens = blocks * core.config.block_size + core.num_waiting_tokens
             return tokens, len(core.running) + len(core.waiting)
 
-        return min(self.workers.values(), key=cost)
+        return min(healthy, key=cost)

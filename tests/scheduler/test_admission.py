@@ -36,12 +36,15 @@ def test_accepts_a_valid_request(admission):
     assert admission.check(submit()) == SubmitReply(accepted=True)
 
 
-def test_refuses_while_draining_or_without_workers(admission):
-    admission.draining = True
+def test_refuses_while_leaving_or_without_healthy_workers(admission):
+    admission.leaving = True
     assert admission.check(submit()).status == 503
     empty = WorkerPool(SchedulerConfig())
     reply = Admission(empty, Placement(empty, lambda _: None), 8).check(submit())
     assert (reply.accepted, reply.status, reply.message) == (False, 503, "no worker is ready")
+    admission.leaving = False
+    admission.pool.workers["w0"].healthy = False  # missed a step deadline
+    assert admission.check(submit()).message == "no worker is ready"
 
 
 def test_queue_limit_and_duplicates(admission):

@@ -7,23 +7,27 @@ import asyncio
 from services.scheduler.liveness import Liveness
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import Placement
+from services.scheduler.probe import HealthProbe
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput
-from services.scheduler.worker_driver import WorkerDriver
+from services.scheduler.worker_driver import StepDeadline, WorkerDriver
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared.config import SchedulerConfig
-from shared.protocol import BatchPlan
+from shared.protocol import BatchPlan, ModelRunnerOutput
 from shared.sampling_params import SamplingParams
-from tests.scheduler.fakes import FakePublisher, make_hello
+from tests.scheduler.fakes import FakePublisher, FakeWorker, make_hello
 
 
 class Harness:
-    def __init__(self) -> None:
+    def __init__(self, step_timeout_s: float = 30.0) -> None:
         self.pool = WorkerPool(SchedulerConfig())
         self.metrics = SchedulerMetrics("m")
         self.publisher = FakePublisher()
+        self.step_timeout_s = step_timeout_s
         self.placement = Placement(self.pool, wake=lambda wid: self.liveness.wake(wid))
-        self.liveness = Liveness(self.pool, self.placement, self.start_driver, self.metrics)
+        self.liveness = Liveness(
+            self.pool, self.placement, self.start_driver, self.start_probe, self.metrics
+        )
 
     def start_driver(self, worker: WorkerHandle) -> WorkerDriver:
         async def on_outputs(_: list[RequestOutput]) -> None:
@@ -34,17 +38,51 @@ class Harness:
             publish=self.publisher,
             plan_subject=f"plan.{worker.worker_id}",
             epoch="e",
-            step_timeout_s=30.0,
+            deadline=StepDeadline(self.step_timeout_s),
             metrics=self.metrics,
             on_outputs=on_outputs,
-            on_stall=lambda w: self.liveness.adopt(w.hello, fresh=True),
+            on_stall=self.liveness.on_stall,
         )
         driver.start()
         return driver
 
+    def start_probe(self, worker: WorkerHandle) -> HealthProbe:
+        probe = HealthProbe(
+            worker,
+            publish=self.publisher,
+            plan_subject=f"plan.{worker.worker_id}",
+            epoch="e",
+            interval_s=self.step_timeout_s,
+            on_healthy=self.liveness.on_healthy,
+        )
+        probe.start()
+        return probe
+
     def place(self, req_id: str, output_token_ids: list[int]) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=50)
         self.placement.place(Request(req_id, [1, 2, 3], params, output_token_ids))
+
+    def plans(self, worker_id: str) -> list[BatchPlan]:
+        return [
+            m
+            for s, m in self.publisher.sent
+            if s == f"plan.{worker_id}" and isinstance(m, BatchPlan)
+        ]
+
+    async def serve(self, worker_id: str) -> None:
+        """Answer every plan sent to `worker_id` as a healthy worker would."""
+        worker, done = FakeWorker(), 0
+        while True:
+            plans = self.plans(worker_id)
+            for plan in plans[done:]:
+                output = worker.execute(plan)
+                output.worker_id = worker_id
+                self.liveness.on_result(output)
+            done = len(plans)
+            await asyncio.sleep(0.005)
+
+    def metric(self, name: str, worker_id: str) -> float | None:
+        return self.metrics.registry.get_sample_value(name, {"worker_id": worker_id})
 
 
 def test_a_silent_worker_loses_its_requests_to_a_live_one():
@@ -87,3 +125,63 @@ def test_requests_wait_for_a_worker_and_survive_a_restart():
     assert worker.session != old_session and "a" in worker.core.requests
     last_plan = h.publisher.sent[-1][1]
     assert isinstance(last_plan, BatchPlan) and last_plan.worker_session == f"e:{worker.session}"
+
+
+def test_a_hung_worker_loses_its_requests_until_it_answers_a_probe():
+    async def run() -> None:
+        h = Harness(step_timeout_s=0.1)
+        h.liveness.adopt(make_hello("w0"))
+        h.place("a", [7, 8])  # on w0, which then hangs: no result ever comes
+        h.liveness.adopt(make_hello("w1"))
+        w1 = asyncio.create_task(h.serve("w1"))
+        await asyncio.sleep(0.3)
+        # w0 missed its deadline: "a" moved to w1 with its tokens, though w0 is as cheap now
+        assert h.placement.worker_of["a"].worker_id == "w1"
+        moved = [n for plan in h.plans("w1") for n in plan.new_reqs if n.req_id == "a"]
+        assert [n.output_token_ids for n in moved] == [[7, 8]]
+        w0 = h.pool.workers["w0"]
+        assert not w0.healthy and "w0" in h.liveness.probes and "w0" not in h.liveness.drivers
+        assert h.metric("skiff_worker_step_timeouts_total", "w0") == 1
+        assert h.metric("skiff_worker_healthy", "w0") == 0
+        assert h.metric("skiff_worker_healthy", "w1") == 1
+        assert h.pool.num_healthy == 1
+
+        probes = [p for p in h.plans("w0") if p.worker_session == w0.plan_session("e")]
+        assert len(probes) >= 2  # sent again every interval while unanswered
+        assert all(not p.num_scheduled_tokens and not p.new_reqs for p in probes)
+        h.liveness.adopt(make_hello("w0"))  # its heartbeat alone proves nothing
+        h.place("b", [])
+        assert h.placement.worker_of["b"].worker_id == "w1" and not w0.healthy
+
+        stale = h.plans("w0")[0].step_id  # a late result of its old session's step
+        h.liveness.on_result(ModelRunnerOutput(step_id=stale, worker_id="w0"))
+        await asyncio.sleep(0.01)
+        assert not w0.healthy
+        h.liveness.on_result(ModelRunnerOutput(step_id=probes[-1].step_id, worker_id="w0"))
+        await asyncio.sleep(0.01)
+        assert w0.healthy and "w0" in h.liveness.drivers and "w0" not in h.liveness.probes
+        assert h.metric("skiff_worker_healthy", "w0") == 1
+        h.place("c", [])  # w0 holds nothing now: the cheapest again
+        assert h.placement.worker_of["c"].worker_id == "w0"
+        w1.cancel()
+        h.liveness.stop()
+
+    asyncio.run(run())
+
+
+def test_an_unhealthy_worker_restarted_is_healthy():
+    async def run() -> None:
+        h = Harness(step_timeout_s=0.05)
+        h.liveness.adopt(make_hello("w0"))
+        h.place("a", [])
+        await asyncio.sleep(0.15)
+        assert not h.pool.workers["w0"].healthy
+        assert h.placement.unplaced and h.placement.unplaced[0].req_id == "a"  # no other worker
+        h.liveness.adopt(make_hello("w0", instance_id="i1"))  # a new process
+        assert h.pool.workers["w0"].healthy and "w0" not in h.liveness.probes
+        assert h.placement.worker_of["a"].worker_id == "w0"
+        h.liveness.expire(timeout_s=-1)  # silent: gone, and so is its gauge
+        assert h.metric("skiff_worker_healthy", "w0") is None
+        h.liveness.stop()
+
+    asyncio.run(run())

@@ -7,7 +7,7 @@ import asyncio
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import FinishReason, Request
 from services.scheduler.scheduler import RequestOutput
-from services.scheduler.worker_driver import WorkerDriver
+from services.scheduler.worker_driver import StepDeadline, WorkerDriver
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared.config import SchedulerConfig
 from shared.protocol import BatchPlan, ModelRunnerOutput
@@ -16,7 +16,9 @@ from tests.scheduler.fakes import FakePublisher, make_hello
 
 
 class Harness:
-    def __init__(self, step_timeout_s: float = 30.0, async_scheduling: bool = False) -> None:
+    def __init__(
+        self, step_timeout_s: float = 30.0, async_scheduling: bool = False, per_token_s: float = 0.0
+    ) -> None:
         config = SchedulerConfig(async_scheduling=async_scheduling)
         self.worker, _ = WorkerPool(config).register(make_hello())
         self.publisher = FakePublisher()
@@ -28,7 +30,7 @@ class Harness:
             publish=self.publisher,
             plan_subject="plan",
             epoch="e",
-            step_timeout_s=step_timeout_s,
+            deadline=StepDeadline(step_timeout_s, per_token_s),
             metrics=self.metrics,
             on_outputs=self.on_outputs,
             on_stall=self.stalled.append,
@@ -143,3 +145,24 @@ def test_async_a_lost_result_stalls_with_a_plan_behind_it():
 
     h = asyncio.run(run())
     assert h.stalled == [h.worker] and h.outputs == [] and len(h.publisher.sent) == 2
+
+
+def test_a_step_deadline_grows_with_its_tokens():
+    async def run() -> Harness:
+        h = Harness(step_timeout_s=0.05, per_token_s=0.1)  # 3 prompt tokens: 0.35 s
+        h.driver.start()
+        h.add("a", max_tokens=1)
+        plan = await h.next_plan(1)
+        await asyncio.sleep(0.15)  # past the base, within the deadline of its 3 tokens
+        h.driver.on_result(result(plan))
+        await asyncio.sleep(0.01)
+        h.driver.stop()
+        return h
+
+    h = asyncio.run(run())
+    assert h.stalled == [] and [o.finish_reason for o in h.outputs] == [FinishReason.LENGTH]
+
+
+def test_step_deadline():
+    assert StepDeadline(2.0, per_token_s=0.01).seconds(300) == 5.0
+    assert StepDeadline(2.0).seconds(10**6) == 2.0
