@@ -16,6 +16,7 @@ from typing import Protocol
 
 import msgspec
 
+from services.gateway.heartbeat import GatewayHeartbeats
 from services.gateway.inflight import InFlightRequests
 from services.gateway.nats_transport import NatsTransport
 from services.gateway.request_stream import EngineError, RequestStream
@@ -82,10 +83,12 @@ class NatsEngineClient:
             self.transport, orphan_timeout=orphan_timeout, resubmit_timeout=resubmit_timeout
         )
         self.stats = self.requests.stats
+        self.heartbeats = GatewayHeartbeats(self.transport, self.gateway_id)
 
     async def start(self) -> None:
         self.transport.start(on_output=self.requests.deliver, on_lost=self.requests.move)
         self.requests.start()
+        self.heartbeats.start()
 
     async def wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -96,6 +99,7 @@ class NatsEngineClient:
     async def close(self) -> None:
         """Fail what is still in flight, then drain the NATS connection."""
         self.requests.close(EngineError(503, "the gateway is shutting down"))
+        self.heartbeats.stop()
         await self.transport.close()
 
     @property

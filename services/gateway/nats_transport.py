@@ -31,6 +31,7 @@ from shared.protocol import (
     SubmitReply,
     SubmitRequest,
 )
+from shared.subjects import Subjects
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,16 @@ class NatsTransport:
             raise EngineError(503, "the scheduler did not answer in time") from None
         except (nats.errors.Error, msgspec.DecodeError, OSError) as e:
             raise EngineError(503, f"the scheduler could not be reached: {e}") from None
+
+    async def publish_to_shards(
+        self, subject: Callable[[Subjects], str], msg: msgspec.Struct
+    ) -> None:
+        """Publish `msg` on `subject(shard subjects)` of every shard; nothing while
+        disconnected."""
+        if self._nc is None or not self._nc.is_connected:
+            return
+        for shard in self.shards:
+            await bus.publish(self._nc, subject(shard.subjects), msg)
 
     async def abort(self, shard: int, engine_ids: list[str]) -> None:
         if self._nc is None:
