@@ -89,6 +89,9 @@ class StackConfig:
     scheduler_shards: int = setting(
         1, "scheduler processes; shard i owns workers i, i+N, ... (see docs/architecture.md)"
     )
+    scheduler_metrics_port: int = setting(
+        8001, "the scheduler's Prometheus /metrics on 127.0.0.1 (shard i: +i; 0: off)"
+    )
     log_dir: str | None = setting(None, "", cli=False)  # None: children log to our stderr
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     scheduler_service: SchedulerServiceConfig = field(default_factory=SchedulerServiceConfig)
@@ -212,12 +215,17 @@ class Stack:
             subject_prefix=prefix,
             **self._nats_client(SCHEDULER),
         )
+        if c.scheduler_metrics_port and not service.metrics_port:
+            service = dataclasses.replace(service, metrics_port=c.scheduler_metrics_port + shard)
         argv = to_argv(service) + to_argv(c.scheduler)
         name = "scheduler" if c.scheduler_shards == 1 else f"scheduler-{shard}"
         self._spawn(name, self._python("services.scheduler.main", *argv))
 
     def start_worker(self, index: int) -> None:
+        """worker-<index> in a process of its own (a simulated one with device sim)."""
         argv = self._worker_argv(f"worker-{index}")
+        if self.config.worker_device == SIM_DEVICE:
+            argv += to_argv(self.config.sim)
         self._spawn(f"worker-{index}", self._python("services.worker.main", *argv))
 
     def start_sim_workers(self) -> None:
