@@ -1,0 +1,88 @@
+"""A gateway that dies with streams in flight: the scheduler stops hearing its heartbeats and
+aborts its requests within `--gateway-timeout`, freeing their workers; a gateway started again
+serves at once."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from services.worker.config import SimConfig
+from shared.config import SchedulerServiceConfig
+from tests.e2e.stats import scheduler_stats
+from tests.e2e.test_shards import stream_tokens
+from tests.e2e.test_sim_worker import MODEL, PROMPT, expected_tokens
+
+SIM = SimConfig(step_base_ms=20.0, per_token_us=1.0, per_req_us=1.0, eos_rate=0.3)
+GATEWAY_TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def orphan_stack(launch_stack):
+    s = launch_stack(
+        "orphans",
+        worker_device="sim",
+        num_workers=2,
+        sim=SIM,
+        scheduler_service=SchedulerServiceConfig(gateway_timeout_s=GATEWAY_TIMEOUT_S),
+    )
+    yield s
+    s.stop()
+
+
+def test_a_dead_gateways_requests_are_aborted_and_a_new_gateway_serves(orphan_stack, smollm2_dir):
+    from services.worker.sim_runner import ModelInfo
+    from shared.tokenizer import Tokenizer
+
+    stack, num_streams = orphan_stack, 6
+    aborted_before = scheduler_stats(stack)["num_orphans_aborted"]
+
+    async def streams_then_kill() -> float:
+        client = AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=60)
+        # 1500 tokens at 20 ms a step: far longer than the test, unless aborted
+        streams = [
+            asyncio.create_task(stream_tokens(client, seed, 1500)) for seed in range(num_streams)
+        ]
+        deadline = time.monotonic() + 30
+        while (await asyncio.to_thread(scheduler_stats, stack))["num_requests"] < num_streams:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(stack.kill, "gateway", signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = await asyncio.gather(*streams, return_exceptions=True)
+        assert all(isinstance(r, Exception) for r in results)  # their client is gone too
+        await client.close()
+        return killed_at
+
+    killed_at = asyncio.run(streams_then_kill())
+    while (stats := scheduler_stats(stack))["num_requests"]:
+        # the timeout, one scheduler heartbeat and the gateway's last beat: 5 s is ample
+        assert time.monotonic() - killed_at < GATEWAY_TIMEOUT_S + 5, stats
+        time.sleep(0.1)
+    assert time.monotonic() - killed_at > GATEWAY_TIMEOUT_S - 1.5  # not before the timeout
+    assert stats["num_orphans_aborted"] - aborted_before == num_streams
+    assert all(
+        not w["statuses"] and w["num_free_blocks"] == w["num_blocks"]
+        for w in stats["workers"].values()
+    )
+
+    stack.start_gateway()
+    stack.wait_ready(60)
+    info, tokenizer = ModelInfo.from_dir(smollm2_dir), Tokenizer(smollm2_dir)
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=60)
+    got = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        seed=5,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert got.choices[0].logprobs.tokens == tokenizer.token_strs(
+        expected_tokens(info, 5, len(PROMPT), 12)
+    )
