@@ -24,10 +24,6 @@ class Placement:
         return req_id in self.worker_of
 
     @property
-    def num_placed(self) -> int:
-        return len(self.worker_of)
-
-    @property
     def num_requests(self) -> int:
         return len(self.worker_of) + len(self.unplaced)
 
