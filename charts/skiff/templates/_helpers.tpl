@@ -113,10 +113,12 @@ per worker pod, named by the pod; their permissions come from shared/nats_auth.p
 {{- .Values.nats.auth.existingSecret | default (printf "%s-nats-auth" (include "skiff.fullname" .)) }}
 {{- end }}
 
-{{/* The worker pods' NATS users, space-separated: <fullname>-worker-<ordinal>. */}}
+{{/* The worker pods' NATS users, space-separated: <fullname>-worker-<ordinal>, for every pod
+that worker.replicas (or worker.autoscaling.maxReplicas) may run. */}}
 {{- define "skiff.natsWorkerUsers" -}}
 {{- $users := list }}
-{{- range $i := until (int .Values.worker.replicas) }}
+{{- $w := .Values.worker }}
+{{- range $i := until (int (ternary $w.autoscaling.maxReplicas $w.replicas $w.autoscaling.enabled)) }}
 {{- $users = append $users (printf "%s-worker-%d" (include "skiff.fullname" $) $i) }}
 {{- end }}
 {{- join " " $users }}
@@ -167,5 +169,16 @@ per worker pod, named by the pod; their permissions come from shared/nats_auth.p
     secretName: {{ required "nats.tls.secretName is required when nats.tls.enabled" .ctx.Values.nats.tls.secretName }}
     items:
       - {key: ca.crt, path: ca.crt}
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the gateway's API key: gateway.apiKeySecret.name, or <fullname>-api-key
+when the chart creates it. Empty: no API key. */}}
+{{- define "skiff.apiKeySecretName" -}}
+{{- $k := .Values.gateway.apiKeySecret }}
+{{- if $k.name }}
+{{- $k.name }}
+{{- else if $k.create }}
+{{- printf "%s-api-key" (include "skiff.fullname" .) }}
 {{- end }}
 {{- end }}
