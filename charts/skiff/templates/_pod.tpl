@@ -1,5 +1,6 @@
 {{/* Pod-level escape hatches shared by the gateway, scheduler and worker workloads. Each takes
-(dict "ctx" $ "component" "gateway" "v" .Values.gateway), podMetadata also "extraLabels". */}}
+(dict "ctx" $ "component" "gateway" "v" $g) with $g the component's values; podMetadata
+also takes "extraLabels". */}}
 
 {{/* Pod template labels: the selector labels and part-of only, never helm.sh/chart or the app
 version, so that a chart-only upgrade does not roll the pods; then the user's podLabels. */}}
