@@ -91,6 +91,41 @@ class SchedulerServiceConfig(NatsClientConfig):
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics server")
     metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0: off)")
     log_level: str = setting(DEFAULT_LOG_LEVEL, "DEBUG, INFO, WARNING or ERROR")
+    # Leader election (services/scheduler/leader.py): replicas of one shard's scheduler.
+    leader_election: bool = setting(
+        False,
+        "stand by until this scheduler holds its shard's coordination.k8s.io Lease, lead "
+        "while it renews it, exit when it cannot (needs skiff[k8s])",
+    )
+    leader_election_lease_name: str = setting(
+        "", "the shard's Lease (empty: <subject prefix>-scheduler)"
+    )
+    leader_election_namespace: str = setting(
+        "", "namespace of the Lease (empty: this pod's, from its service account)"
+    )
+    leader_election_identity: str = setting(
+        "", "this replica's name in the Lease (empty: host name and process id)"
+    )
+    leader_election_lease_duration_s: float = setting(
+        6.0,
+        "a standby takes over a Lease not renewed for this long",
+        name="leader_election_lease_duration",
+    )
+    leader_election_renew_deadline_s: float = setting(
+        4.0,
+        "the leader exits when no renewal succeeded for this long",
+        name="leader_election_renew_deadline",
+    )
+    leader_election_retry_period_s: float = setting(
+        1.0,
+        "seconds between tries to acquire or renew the Lease",
+        name="leader_election_retry_period",
+    )
+    leader_election_lock_dir: str = setting(
+        "",
+        "tests and development only: keep the Leases as files in this directory instead of "
+        "the Kubernetes API (schedulers on one host)",
+    )
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_waiting")
@@ -99,6 +134,20 @@ class SchedulerServiceConfig(NatsClientConfig):
             raise ValueError("heartbeat interval and timeouts must be > 0")
         if self.step_timeout_per_token_s < 0:
             raise ValueError("step_timeout_per_token must be >= 0")
+        lease = self.leader_election_lease_duration_s
+        renew = self.leader_election_renew_deadline_s
+        retry = self.leader_election_retry_period_s
+        # the rules of kubernetes' leader election (its jitter factor is 1.2)
+        if not lease > renew > 1.2 * retry >= 1.2:
+            raise ValueError(
+                "leader election needs lease duration > renew deadline > 1.2 x retry period "
+                f"and retry period >= 1 s, got {lease}, {renew} and {retry}"
+            )
+
+    @property
+    def lease_name(self) -> str:
+        """The Lease the replicas of this shard's scheduler compete for."""
+        return self.leader_election_lease_name or f"{self.subject_prefix}-scheduler"
 
 
 @dataclass(frozen=True)
