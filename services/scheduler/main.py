@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 
 from prometheus_client import start_http_server
 
@@ -13,6 +14,8 @@ from shared.cli_args import ConfigParser, setup_logging, wait_for_signal
 from shared.config import SchedulerConfig, SchedulerServiceConfig
 
 log = logging.getLogger("skiff.scheduler")
+
+EXIT_LEASE_LOST = 3
 
 
 def build_parser() -> ConfigParser:
@@ -37,6 +40,54 @@ def tune_gc() -> None:
 
 
 async def serve(config: SchedulerServiceConfig, scheduler_config: SchedulerConfig) -> None:
+    if config.leader_election:
+        await serve_elected(config, scheduler_config)
+        return
+    service = await start_service(config, scheduler_config)
+    await wait_for_signal()
+    await service.hand_over()
+
+
+async def serve_elected(config: SchedulerServiceConfig, scheduler_config: SchedulerConfig) -> None:
+    """One replica of a shard's scheduler (`--leader-election`): it stands by, subscribed to
+    nothing, until it holds the shard's Lease, then starts the scheduler (a new epoch, which
+    gateways and workers follow) and exits as soon as it loses the Lease."""
+    try:
+        from services.scheduler import leader
+    except ImportError as exc:
+        raise SystemExit(f"--leader-election needs pip install 'skiff[k8s]': {exc}") from exc
+    services: list[SchedulerService] = []
+
+    async def lead() -> None:
+        services.append(await start_service(config, scheduler_config))
+
+    try:
+        elector = leader.elector_from_config(config, lead, exit_lease_lost)
+    except leader.LeaderElectionError as exc:
+        raise SystemExit(f"leader election: {exc}") from exc
+    election = asyncio.create_task(elector.run())
+    signalled = asyncio.create_task(wait_for_signal())
+    await asyncio.wait({election, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    if election.done():
+        signalled.cancel()
+        await election  # it ends only by an error: a lost Lease has exited already
+    election.cancel()
+    if services:
+        await services[0].hand_over()
+
+
+def exit_lease_lost(reason: str) -> None:
+    """A leader that lost its Lease stops publishing at once: it exits, and Kubernetes (or
+    `skiff serve`) starts it again, as a standby."""
+    log.critical("exiting: %s", reason)
+    logging.shutdown()
+    os._exit(EXIT_LEASE_LOST)
+
+
+async def start_service(
+    config: SchedulerServiceConfig, scheduler_config: SchedulerConfig
+) -> SchedulerService:
+    """A scheduler of a new epoch, serving."""
     service = SchedulerService(config, scheduler_config)
     if config.metrics_port:
         try:
@@ -51,8 +102,7 @@ async def serve(config: SchedulerServiceConfig, scheduler_config: SchedulerConfi
                 exc,
             )
     await service.start()
-    await wait_for_signal()
-    await service.hand_over()
+    return service
 
 
 def main(argv: list[str] | None = None) -> None:
