@@ -96,6 +96,7 @@ def permissions(user: NatsUser, prefix: str, num_shards: int) -> Permissions | N
                         s.abort,
                         s.worker_hello,
                         s.worker_heartbeat,
+                        s.worker_goodbye,
                         s.result,
                         s.scheduler_stats,
                     )
@@ -107,7 +108,11 @@ def permissions(user: NatsUser, prefix: str, num_shards: int) -> Permissions | N
     own = [(Subjects(worker_prefix(prefix, w, num_shards)), w) for w in user.worker_ids]
     return Permissions(
         publish=_unique(
-            *(x for s, _ in own for x in (s.worker_hello, s.worker_heartbeat, s.result))
+            *(
+                x
+                for s, _ in own
+                for x in (s.worker_hello, s.worker_heartbeat, s.worker_goodbye, s.result)
+            )
         ),
         subscribe=_unique(*(s.plan(w) for s, w in own)),
     )

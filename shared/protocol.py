@@ -240,3 +240,13 @@ class WorkerHello(msgspec.Struct, kw_only=True):
     vocab_size: int
     eos_token_ids: list[int] = []
     version: int = PROTOCOL_VERSION
+
+
+class WorkerGoodbye(msgspec.Struct, kw_only=True):
+    """A worker leaving (on SIGTERM): the scheduler moves its requests at once rather than
+    after its heartbeats stop. Names the instance, so a late goodbye of an earlier instance
+    cannot retire its successor."""
+
+    worker_id: str
+    instance_id: str
+    version: int = PROTOCOL_VERSION

@@ -73,6 +73,10 @@ class Subjects:
         return f"{self.prefix}.worker.heartbeat"
 
     @property
+    def worker_goodbye(self) -> str:  # worker -> scheduler: WorkerGoodbye
+        return f"{self.prefix}.worker.goodbye"
+
+    @property
     def scheduler_heartbeat(self) -> str:  # scheduler -> all: SchedulerHeartbeat
         return f"{self.prefix}.scheduler.heartbeat"
 

@@ -1,6 +1,6 @@
-"""Which workers are driven: adopts new and restarted workers, drops silent ones, takes a worker
-that misses a step deadline out of placement until it answers a probe, and re-places the
-requests of a worker whose state is gone on the healthy ones."""
+"""Which workers are driven: adopts new and restarted workers, drops silent and leaving ones,
+takes a worker that misses a step deadline out of placement until it answers a probe, and
+re-places the requests of a worker whose state is gone on the healthy ones."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from services.scheduler.probe import HealthProbe
 from services.scheduler.request import Request
 from services.scheduler.worker_driver import WorkerDriver
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
-from shared.protocol import ModelRunnerOutput, WorkerHello
+from shared.protocol import ModelRunnerOutput, WorkerGoodbye, WorkerHello
 
 log = logging.getLogger("skiff.scheduler")
 
@@ -96,9 +96,20 @@ class Liveness:
             log.warning(
                 "worker %s missed its heartbeats: re-placing its requests", worker.worker_id
             )
-            self.pool.remove(worker.worker_id)
-            self._metrics.worker_healthy.remove(worker.worker_id)
-            self._migrate(self._stop(worker))
+            self._drop(worker)
+
+    def leave(self, goodbye: WorkerGoodbye) -> None:
+        """A worker says goodbye: drop it and re-place its requests at once (a goodbye of
+        another instance than the one driven is ignored)."""
+        worker = self.pool.workers.get(goodbye.worker_id)
+        if worker is None or worker.hello.instance_id != goodbye.instance_id:
+            return
+        log.info(
+            "worker %s is leaving: re-placing its %d requests",
+            worker.worker_id,
+            len(worker.core.requests),
+        )
+        self._drop(worker)
 
     def wake(self, worker_id: str) -> None:
         driver = self.drivers.get(worker_id)
@@ -120,6 +131,11 @@ class Liveness:
             probe.stop()
         self.drivers.clear()
         self.probes.clear()
+
+    def _drop(self, worker: WorkerHandle) -> None:
+        self.pool.remove(worker.worker_id)
+        self._metrics.worker_healthy.remove(worker.worker_id)
+        self._migrate(self._stop(worker))
 
     def _drive(self, worker: WorkerHandle) -> None:
         self._metrics.worker_healthy.labels(worker.worker_id).set(1)

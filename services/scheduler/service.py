@@ -39,6 +39,7 @@ from shared.protocol import (
     SchedulerStatsRequest,
     SubmitReply,
     SubmitRequest,
+    WorkerGoodbye,
     WorkerHello,
 )
 from shared.subjects import Subjects
@@ -64,6 +65,7 @@ class SchedulerService:
         self.telemetry = Telemetry(self.epoch, self.pool, self.placement, self.metrics)
         self.deadline = StepDeadline(config.step_timeout_s, config.step_timeout_per_token_s)
         self.nc: Client  # set by start()
+        self.serving = False  # from start() until hand_over() or stop()
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -82,11 +84,21 @@ class SchedulerService:
         await bus.subscribe(nc, s.abort, AbortRequests, self._on_abort)
         await bus.subscribe(nc, s.worker_hello, WorkerHello, self._on_hello)
         await bus.subscribe(nc, s.worker_heartbeat, WorkerHello, self._on_hello)
+        await bus.subscribe(nc, s.worker_goodbye, WorkerGoodbye, self._on_goodbye)
         await bus.subscribe(nc, s.result, ModelRunnerOutput, self._on_result)
         await bus.subscribe(nc, s.gateway_heartbeat, GatewayHeartbeat, self._on_gateway_heartbeat)
         await bus.serve(nc, s.scheduler_stats, SchedulerStatsRequest, self._on_stats)
         self._spawn(self._monitor())
+        self.serving = True
         log.info("scheduler up, epoch %s", self.epoch)
+
+    def ready(self) -> str | None:
+        """Why /ready fails (None: it passes): connected to NATS and serving."""
+        if not self.serving:
+            return "leaving" if self.admission.leaving else "starting"
+        if not self.nc.is_connected:
+            return "not connected to NATS"
+        return None
 
     async def hand_over(self) -> None:
         """Leave at once, for the next scheduler to take over: refuse new work, stop driving
@@ -98,6 +110,7 @@ class SchedulerService:
         await self.stop(self.telemetry.heartbeat(leaving=True))
 
     async def stop(self, last_heartbeat: SchedulerHeartbeat | None = None) -> None:
+        self.serving = False
         for task in self._tasks:
             task.cancel()
         self.liveness.stop()
@@ -183,6 +196,9 @@ class SchedulerService:
 
     async def _on_hello(self, hello: WorkerHello) -> None:
         self.liveness.adopt(hello)
+
+    async def _on_goodbye(self, goodbye: WorkerGoodbye) -> None:
+        self.liveness.leave(goodbye)
 
     async def _on_result(self, output: ModelRunnerOutput) -> None:
         self.liveness.on_result(output)

@@ -17,7 +17,7 @@ import msgspec
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import RequestOutput, plan_has_work
 from services.scheduler.worker_pool import WorkerHandle
-from shared.protocol import ModelRunnerOutput
+from shared.protocol import BatchPlan, ModelRunnerOutput
 
 log = logging.getLogger("skiff.scheduler")
 
@@ -100,6 +100,7 @@ class WorkerDriver:
 
     async def _run(self) -> None:
         core = self.worker.core
+        await self._announce()
         while True:
             schedule_s = await self._fill()
             if not self._in_flight:
@@ -121,6 +122,13 @@ class WorkerDriver:
             outputs = core.update(output)
             await self._on_outputs(outputs)
             self._metrics.schedule_seconds.observe(schedule_s + time.perf_counter() - t0)
+
+    async def _announce(self) -> None:
+        """First an empty plan of the new session: the worker drops what it held and knows it
+        is adopted (its readiness) even while no request comes. Its result is ignored."""
+        plan = BatchPlan(step_id=self.worker.core.step_id, worker_session=self._session)
+        self.worker.core.step_id += 1
+        await self._publish(self._plan_subject, plan)
 
     async def _fill(self) -> float:
         """Plan and publish until the steps in flight are at their limit or there is nothing

@@ -13,7 +13,7 @@ from services.scheduler.scheduler import RequestOutput
 from services.scheduler.worker_driver import StepDeadline, WorkerDriver
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared.config import SchedulerConfig
-from shared.protocol import BatchPlan, ModelRunnerOutput
+from shared.protocol import BatchPlan, ModelRunnerOutput, WorkerGoodbye
 from shared.sampling_params import SamplingParams
 from tests.scheduler.fakes import FakePublisher, FakeWorker, make_hello
 
@@ -105,6 +105,27 @@ def test_a_silent_worker_loses_its_requests_to_a_live_one():
     assert moved.output_token_ids == [7, 8] and h.placement.worker_of["a"].worker_id == "w1"
     assert h.metrics.registry.get_sample_value("skiff_request_migrations_total") == 1
     assert h.publisher.sent[-1][0] == "plan.w1"
+
+
+def test_a_leaving_worker_loses_its_requests_at_once():
+    async def run() -> Harness:
+        h = Harness()
+        h.liveness.adopt(make_hello("w0"))
+        h.place("a", [7, 8])
+        h.liveness.adopt(make_hello("w1"))
+        h.liveness.leave(WorkerGoodbye(worker_id="w0", instance_id="old"))  # another instance
+        h.liveness.leave(WorkerGoodbye(worker_id="w9", instance_id="i0"))  # unknown
+        assert h.placement.worker_of["a"].worker_id == "w0"
+        h.liveness.leave(WorkerGoodbye(worker_id="w0", instance_id="i0"))
+        await asyncio.sleep(0.01)
+        h.liveness.stop()
+        return h
+
+    h = asyncio.run(run())
+    assert list(h.pool.workers) == ["w1"] and h.placement.worker_of["a"].worker_id == "w1"
+    assert h.pool.workers["w1"].core.requests["a"].output_token_ids == [7, 8]
+    assert h.metric("skiff_worker_healthy", "w0") is None
+    assert h.metrics.registry.get_sample_value("skiff_request_migrations_total") == 1
 
 
 def test_requests_wait_for_a_worker_and_survive_a_restart():

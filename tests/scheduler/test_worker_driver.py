@@ -45,11 +45,17 @@ class Harness:
         self.driver.wake()
 
     async def next_plan(self, count: int) -> BatchPlan:
-        while len(self.publisher.sent) < count:
+        """The `count`-th plan after the empty one that announces the session."""
+        while len(self.publisher.sent) <= count:
             await asyncio.sleep(0.001)
-        subject, plan = self.publisher.sent[count - 1]
+        subject, plan = self.publisher.sent[count]
         assert subject == "plan" and isinstance(plan, BatchPlan)
         return plan
+
+    @property
+    def num_plans(self) -> int:
+        """Plans sent after the announcement."""
+        return len(self.publisher.sent) - 1
 
 
 def result(plan: BatchPlan, token: int = 9) -> ModelRunnerOutput:
@@ -67,7 +73,7 @@ def test_plans_until_the_request_finishes_then_idles():
         h = Harness()
         h.driver.start()
         await asyncio.sleep(0.01)
-        assert h.publisher.sent == []  # idle: nothing to schedule
+        assert h.num_plans == 0  # idle: nothing to schedule
         h.add("a", max_tokens=2)
         first = await h.next_plan(1)
         assert first.worker_session == f"e:{h.worker.session}"
@@ -86,7 +92,33 @@ def test_plans_until_the_request_finishes_then_idles():
         ([3], None),
         ([4], FinishReason.LENGTH),
     ]
-    assert len(h.publisher.sent) == 3 and h.stalled == []
+    assert h.num_plans == 3 and h.stalled == []
+
+
+def test_a_new_session_is_announced_by_an_empty_plan():
+    """The worker drops what it held and knows it is adopted (its readiness), with no request
+    to run; its answer is no result the driver waits for."""
+
+    async def run() -> Harness:
+        h = Harness(step_timeout_s=0.05)
+        h.driver.start()
+        await asyncio.sleep(0.01)
+        announce = h.publisher.sent[0][1]
+        assert isinstance(announce, BatchPlan)
+        assert announce.worker_session == f"e:{h.worker.session}"
+        assert not announce.num_scheduled_tokens and not announce.finished_req_ids
+        await asyncio.sleep(0.1)  # past the step timeout: nothing awaited it
+        h.add("a", max_tokens=1)
+        plan = await h.next_plan(1)
+        assert plan.step_id > announce.step_id
+        h.driver.on_result(result(announce))  # ignored
+        h.driver.on_result(result(plan))
+        await asyncio.sleep(0.01)
+        h.driver.stop()
+        return h
+
+    h = asyncio.run(run())
+    assert h.stalled == [] and [o.finish_reason for o in h.outputs] == [FinishReason.LENGTH]
 
 
 def test_a_lost_result_stalls_the_worker_once():
@@ -101,7 +133,7 @@ def test_a_lost_result_stalls_the_worker_once():
         return h
 
     h = asyncio.run(run())
-    assert h.stalled == [h.worker] and h.outputs == [] and len(h.publisher.sent) == 1
+    assert h.stalled == [h.worker] and h.outputs == [] and h.num_plans == 1
 
 
 def test_async_keeps_two_plans_in_flight_and_drops_tokens_past_a_stop():
@@ -112,7 +144,7 @@ def test_async_keeps_two_plans_in_flight_and_drops_tokens_past_a_stop():
         first, second = await h.next_plan(1), await h.next_plan(2)  # no result yet
         assert second.num_scheduled_tokens == {"a": 1}
         await asyncio.sleep(0.01)
-        assert len(h.publisher.sent) == 2  # never a third before the first result
+        assert h.num_plans == 2  # never a third before the first result
         h.driver.on_result(result(first, token=2))  # EOS: "a" stops while second runs
         third = await h.next_plan(3)
         assert third.finished_req_ids == ["a"] and not third.num_scheduled_tokens
@@ -130,7 +162,7 @@ def test_async_keeps_two_plans_in_flight_and_drops_tokens_past_a_stop():
         "skiff_worker_idle_seconds_total", {"worker_id": "w0"}
     )
     assert idle == 0.25
-    assert len(h.publisher.sent) == 3 and h.stalled == []
+    assert h.num_plans == 3 and h.stalled == []
 
 
 def test_async_a_lost_result_stalls_with_a_plan_behind_it():
@@ -144,7 +176,7 @@ def test_async_a_lost_result_stalls_with_a_plan_behind_it():
         return h
 
     h = asyncio.run(run())
-    assert h.stalled == [h.worker] and h.outputs == [] and len(h.publisher.sent) == 2
+    assert h.stalled == [h.worker] and h.outputs == [] and h.num_plans == 2
 
 
 def test_a_step_deadline_grows_with_its_tokens():

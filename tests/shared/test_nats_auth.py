@@ -61,6 +61,7 @@ def test_scheduler_permissions_answer_requests_without_an_inbox():
         "p.req.abort",
         "p.worker.hello",
         "p.worker.heartbeat",
+        "p.worker.goodbye",
         "p.worker.result",
         "p.scheduler.stats",
         "p.gateway.heartbeat",
@@ -74,9 +75,11 @@ def test_a_worker_user_gets_only_its_own_workers_plans_on_their_shards():
     assert perms.publish == (
         "p.shard0.worker.hello",
         "p.shard0.worker.heartbeat",
+        "p.shard0.worker.goodbye",
         "p.shard0.worker.result",
         "p.shard1.worker.hello",
         "p.shard1.worker.heartbeat",
+        "p.shard1.worker.goodbye",
         "p.shard1.worker.result",
     )
     assert permissions(_user(ADMIN), "p", 2) is None  # everything
@@ -103,7 +106,9 @@ def test_the_authorization_block_lists_users_with_their_permissions():
     assert entries[0] == {"user": "admin", "password": "pw"}
     assert entries[1]["permissions"]["allow_responses"] is True
     assert entries[2]["permissions"] == {
-        "publish": {"allow": ["p.worker.hello", "p.worker.heartbeat", "p.worker.result"]},
+        "publish": {
+            "allow": ["p.worker.hello", "p.worker.heartbeat", "p.worker.goodbye", "p.worker.result"]
+        },
         "subscribe": {"allow": ["p.worker.w-0.plan"]},
     }
     tls = ServerTls("c.pem", "k.pem", "ca.pem")
@@ -189,6 +194,29 @@ def test_the_server_enforces_plans_per_worker_and_private_replies(broker):
             'nats: permissions violation for subscription to "skiff.worker.worker-1.plan"',
         ]
         for nc in (scheduler, worker, admin):
+            await nc.close()
+
+    asyncio.run(run())
+
+
+def test_a_workers_goodbye_reaches_the_scheduler(broker):
+    async def run() -> None:
+        def kwargs(user: str) -> dict:
+            return broker.nats_options(user)["options"].nats_kwargs()
+
+        scheduler = await nats.connect(broker.nats_url, **kwargs(SCHEDULER))
+        worker = await nats.connect(broker.nats_url, **kwargs("worker-1"))
+        got = asyncio.Event()
+
+        async def on_goodbye(_msg) -> None:
+            got.set()
+
+        await scheduler.subscribe("skiff.worker.goodbye", cb=on_goodbye)
+        await scheduler.flush()
+        await worker.publish("skiff.worker.goodbye", b"bye")
+        await worker.flush()
+        await asyncio.wait_for(got.wait(), 5)
+        for nc in (scheduler, worker):
             await nc.close()
 
     asyncio.run(run())
