@@ -44,6 +44,40 @@ class RunnerConfig:
 
 
 @dataclass(frozen=True)
+class WorkerHttpConfig:
+    """The worker's HTTP endpoint: /health (liveness: its event loop responds and no step is
+    wedged), /ready (weights loaded and adopted by a scheduler) and /metrics. A step is wedged
+    once it has run longer than execute_model_timeout and than execute_model_timeout_factor
+    times the moving average of recent steps."""
+
+    http_host: str = setting("127.0.0.1", "address of the /health, /ready and /metrics server")
+    http_port: int = setting(0, "serve /health, /ready and /metrics on this port (0: off)")
+    # vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS is 300 too; the first steps' Triton compiles
+    # take seconds, not minutes (weights and CUDA graphs load before /health turns 200).
+    execute_model_timeout_s: float = setting(
+        300.0,
+        "a step running longer than this (and than the factor below allows) fails /health",
+        name="execute_model_timeout",
+    )
+    execute_model_timeout_factor: float = setting(
+        20.0, "a step must also run this many times the recent mean step time to fail /health"
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if not self.execute_model_timeout_s > 0:
+            raise ValueError(
+                f"execute_model_timeout must be > 0, got {self.execute_model_timeout_s}"
+            )
+        if not self.execute_model_timeout_factor >= 1:
+            raise ValueError(
+                "execute_model_timeout_factor must be >= 1, "
+                f"got {self.execute_model_timeout_factor}"
+            )
+
+
+@dataclass(frozen=True)
 class SimConfig:
     """A simulated worker (`--device sim`): no model, tokens from a hash. A step holds the
     simulated device for step_base + per_token * scheduled tokens + per_req * requests; the

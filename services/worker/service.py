@@ -1,4 +1,5 @@
-"""The worker service: owns one device, announces itself, executes plans exactly, in order."""
+"""The worker service: owns one device, announces itself, executes plans exactly, in order,
+and says goodbye when it leaves."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from nats.aio.client import Client
 
-from services.worker.config import RunnerConfig
+from services.worker.config import RunnerConfig, WorkerHttpConfig
+from services.worker.health import StepWatch
+from services.worker.metrics import WorkerMetrics
 from shared import bus
 from shared.config import WorkerServiceConfig
 from shared.epochs import STALE_EPOCH_SILENCE_S, EpochFollower
-from shared.protocol import BatchPlan, ModelRunnerOutput, WorkerHello
+from shared.protocol import BatchPlan, ModelRunnerOutput, WorkerGoodbye, WorkerHello
 from shared.subjects import Subjects, worker_prefix
 
 log = logging.getLogger("skiff.worker")
@@ -46,9 +49,28 @@ class AsyncRunner(Protocol):
 
 
 class WorkerService:
-    def __init__(self, config: WorkerServiceConfig, runner: Runner) -> None:
+    """One worker. `metrics` may be shared by the workers of one process; `watch` tells
+    whether a step is wedged (liveness)."""
+
+    def __init__(
+        self,
+        config: WorkerServiceConfig,
+        runner: Runner,
+        *,
+        metrics: WorkerMetrics | None = None,
+        watch: StepWatch | None = None,
+    ) -> None:
         self.config = config
         self.runner = runner
+        self.metrics = metrics or WorkerMetrics(config.model_name)
+        http = WorkerHttpConfig()
+        self.watch = watch or StepWatch(
+            http.execute_model_timeout_s, http.execute_model_timeout_factor
+        )
+        # Ready once a scheduler adopted this instance (its first plan: the scheduler sends an
+        # empty one on adoption), until it leaves or a step fails.
+        self.adopted = False
+        self.leaving = False
         self.subjects = Subjects(
             worker_prefix(config.subject_prefix, config.worker_id, config.scheduler_shards)
         )
@@ -97,6 +119,33 @@ class WorkerService:
         ]
         log.info("worker %s up: %d KV blocks", self.config.worker_id, self.runner.num_blocks)
 
+    def live(self) -> str | None:
+        """Why /health fails (None: it passes): a wedged step."""
+        return self.watch.check()
+
+    def ready(self) -> str | None:
+        """Why /ready fails (None: it passes)."""
+        if self.leaving:
+            return "leaving"
+        if not self.nc.is_connected:
+            return "not connected to NATS"
+        if not self.adopted:
+            return "waiting for a scheduler to adopt it"
+        return None
+
+    async def leave(self) -> None:
+        """Leave (on SIGTERM): take no more plans, tell the scheduler, which moves this
+        worker's requests at once instead of after its heartbeat timeout, and stop."""
+        self.leaving = True
+        for task in self._tasks:
+            task.cancel()
+        if self.nc.is_connected:
+            goodbye = WorkerGoodbye(worker_id=self.config.worker_id, instance_id=self.instance_id)
+            await bus.publish(self.nc, self.subjects.worker_goodbye, goodbye)
+            await self.nc.flush()
+        log.info("worker %s said goodbye", self.config.worker_id)
+        await self.stop()
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -131,13 +180,17 @@ class WorkerService:
                     log.warning("new scheduler epoch: dropping all request state")
                 self.worker_session = plan.worker_session
                 await self._call(self.runner.reset)
+            self.adopted = True
             start = time.perf_counter()
+            self.watch.begin()
             try:
                 output = await self._execute(plan)
             except Exception:
                 # Come back as a new instance: the scheduler re-places our requests elsewhere
                 # (or here, from scratch) instead of waiting for a result that never comes.
                 log.exception("step %d failed; dropping all request state", plan.step_id)
+                self.watch.end(time.perf_counter() - start, count=False)
+                self.adopted = False  # until the scheduler adopts the new instance
                 await self._call(self.runner.reset)
                 self._failed_session = plan.worker_session
                 self.instance_id = uuid.uuid4().hex
@@ -146,6 +199,12 @@ class WorkerService:
             output.worker_id = self.config.worker_id
             output.execute_s = time.perf_counter() - start
             output.idle_s = idle_s
+            num_reqs = len(plan.num_scheduled_tokens)
+            self.watch.end(output.execute_s, count=num_reqs > 0)
+            if num_reqs:
+                self.metrics.observe_step(
+                    output.execute_s, plan.total_num_scheduled_tokens, num_reqs
+                )
             await bus.publish(self.nc, self.subjects.result, output)
 
     async def _heartbeat(self) -> None:
