@@ -19,7 +19,7 @@ from pathlib import Path
 
 from services.gateway.config import GatewayConfig
 from services.supervisor import Supervisor
-from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig
+from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig, WorkerHttpConfig
 from shared.bus import ConnectOptions
 from shared.cli_args import env_var, setting, to_argv
 from shared.config import SchedulerConfig, SchedulerServiceConfig, WorkerServiceConfig
@@ -91,6 +91,9 @@ class StackConfig:
     )
     scheduler_metrics_port: int = setting(
         8001, "the scheduler's Prometheus /metrics on 127.0.0.1 (shard i: +i; 0: off)"
+    )
+    worker_http_port: int = setting(
+        0, "worker i's /health, /ready and /metrics on 127.0.0.1 at this port + i (0: off)"
     )
     log_dir: str | None = setting(None, "", cli=False)  # None: children log to our stderr
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -223,7 +226,7 @@ class Stack:
 
     def start_worker(self, index: int) -> None:
         """worker-<index> in a process of its own (a simulated one with device sim)."""
-        argv = self._worker_argv(f"worker-{index}")
+        argv = self._worker_argv(f"worker-{index}", index)
         if self.config.worker_device == SIM_DEVICE:
             argv += to_argv(self.config.sim)
         self._spawn(f"worker-{index}", self._python("services.worker.main", *argv))
@@ -231,11 +234,12 @@ class Stack:
     def start_sim_workers(self) -> None:
         """All `num_workers` simulated workers in one process, ids worker-0, worker-1, ..."""
         n = self.config.num_workers
-        argv = self._worker_argv("worker-0" if n == 1 else "worker")  # --count adds -0, -1, ...
+        argv = self._worker_argv("worker-0" if n == 1 else "worker", 0)  # --count adds -0, -1, ...
         argv += [*to_argv(self.config.sim), "--count", str(n)]
         self._spawn("sim-workers", self._python("services.worker.main", *argv))
 
-    def _worker_argv(self, worker_id: str) -> list[str]:
+    def _worker_argv(self, worker_id: str, index: int) -> list[str]:
+        """Flags of the worker process of `index` (its HTTP port's offset)."""
         c = self.config
         service = WorkerServiceConfig(
             nats_url=self.nats_url,
@@ -253,7 +257,8 @@ class Stack:
             max_model_len=c.scheduler.max_model_len,
             device=c.worker_device,
         )
-        return ["--model", c.model_dir, *to_argv(service), *to_argv(runner)]
+        http = WorkerHttpConfig(http_port=c.worker_http_port + index if c.worker_http_port else 0)
+        return ["--model", c.model_dir, *to_argv(service), *to_argv(runner), *to_argv(http)]
 
     def start_gateway(self) -> None:
         c = self.config
