@@ -33,9 +33,14 @@ app.kubernetes.io/part-of: skiff
 app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 {{- end }}
 
-{{/* "repository:tag" of an image block; the tag defaults to the chart's appVersion. */}}
+{{/* An image block's reference, [registry/]repository:tag[@digest]: the registry is
+global.imageRegistry when set, else the block's; the tag defaults to the chart's appVersion. */}}
 {{- define "skiff.image" -}}
-{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- $registry := .ctx.Values.global.imageRegistry | default .image.registry }}
+{{- $ref := printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- if $registry }}{{ $ref = printf "%s/%s" $registry $ref }}{{ end }}
+{{- if .image.digest }}{{ $ref = printf "%s@%s" $ref .image.digest }}{{ end }}
+{{- $ref }}
 {{- end }}
 
 {{- define "skiff.natsUrl" -}}
@@ -46,7 +51,7 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* Model directory inside the containers when model.volume is set. */}}
+{{/* The workers' model directory when model.source is not embedded. */}}
 {{- define "skiff.modelDir" -}}
 {{- printf "/models/%s" .Values.model.path | trimSuffix "/" }}
 {{- end }}
@@ -55,7 +60,7 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 {{- define "skiff.servedModelName" -}}
 {{- if .Values.model.servedModelName }}
 {{- .Values.model.servedModelName }}
-{{- else if .Values.model.volume }}
+{{- else if ne .Values.model.source "embedded" }}
 {{- base .Values.model.path }}
 {{- else }}
 {{- "SmolLM2-135M-Instruct" }}
