@@ -221,6 +221,12 @@ def project_dependencies() -> list[str]:
     return re.findall(r'"([^"]+)"', block)
 
 
+def extra_dependencies(extra: str) -> list[str]:
+    """The entries of one [project.optional-dependencies] extra, e.g. k8s."""
+    text = (ROOT / "pyproject.toml").read_text()
+    return re.findall(r'"([^"]+)"', re.search(rf"^{extra} = \[(.*?)\]", text, re.M)[1])
+
+
 def requirement_lines(service: str) -> list[str]:
     lines = (DOCKER / f"requirements-{service}.txt").read_text().splitlines()
     return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
@@ -231,6 +237,7 @@ PROVIDES = {
     "msgspec": {"msgspec"},
     "nats-py": {"nats"},
     "prometheus-client": {"prometheus_client"},
+    "kubernetes": {"kubernetes"},
     "tokenizers": {"tokenizers"},
     "jinja2": {"jinja2", "markupsafe"},
     "uvicorn": {"uvicorn", "h11", "click"},
@@ -283,6 +290,8 @@ def third_party_imports(entry: str) -> dict[str, str]:
 def test_slim_image_requirements_cover_the_service(service):
     reqs = requirement_lines(service)
     deps = project_dependencies()
+    if service == "scheduler":  # and the extra skiff[k8s], for leader election
+        deps += extra_dependencies("k8s")
     assert set(reqs) <= set(deps), f"not as in pyproject.toml: {set(reqs) - set(deps)}"
     names = {re.split(r"[<>=!~\[ ]", r)[0].lower() for r in reqs}
     assert not names & {"torch", "triton", "transformers", "numpy", "safetensors"}
