@@ -88,8 +88,10 @@ class SchedulerServiceConfig(NatsClientConfig):
     gateway_timeout_s: float = setting(
         15.0, "abort the requests of a gateway silent this long", name="gateway_timeout"
     )
-    metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics server")
-    metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0: off)")
+    metrics_host: str = setting("127.0.0.1", "address of the /metrics, /health, /ready server")
+    metrics_port: int = setting(
+        0, "serve Prometheus /metrics, /health and /ready on this port (0: off)"
+    )
     log_level: str = setting(DEFAULT_LOG_LEVEL, "DEBUG, INFO, WARNING or ERROR")
     # Leader election (services/scheduler/leader.py): replicas of one shard's scheduler.
     leader_election: bool = setting(

@@ -1,4 +1,5 @@
-"""`skiff scheduler`: run the scheduler service (flags and SKIFF_* variables from its configs)."""
+"""`skiff scheduler`: run the scheduler service (flags and SKIFF_* variables from its configs);
+with `--metrics-port`, /metrics, /health and /ready (services/scheduler/http_endpoint.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import gc
 import logging
 import os
 
-from prometheus_client import start_http_server
-
+from services.scheduler.http_endpoint import HttpEndpoint
 from services.scheduler.service import SchedulerService
 from shared.cli_args import ConfigParser, setup_logging, wait_for_signal
 from shared.config import SchedulerConfig, SchedulerServiceConfig
@@ -40,15 +40,21 @@ def tune_gc() -> None:
 
 
 async def serve(config: SchedulerServiceConfig, scheduler_config: SchedulerConfig) -> None:
-    if config.leader_election:
-        await serve_elected(config, scheduler_config)
-        return
-    service = await start_service(config, scheduler_config)
-    await wait_for_signal()
-    await service.hand_over()
+    endpoint = HttpEndpoint.start(config)
+    try:
+        if config.leader_election:
+            await serve_elected(config, scheduler_config, endpoint)
+            return
+        service = await start_service(config, scheduler_config, endpoint)
+        await wait_for_signal()
+        await service.hand_over()
+    finally:
+        endpoint.stop()
 
 
-async def serve_elected(config: SchedulerServiceConfig, scheduler_config: SchedulerConfig) -> None:
+async def serve_elected(
+    config: SchedulerServiceConfig, scheduler_config: SchedulerConfig, endpoint: HttpEndpoint
+) -> None:
     """One replica of a shard's scheduler (`--leader-election`): it stands by, subscribed to
     nothing, until it holds the shard's Lease, then starts the scheduler (a new epoch, which
     gateways and workers follow) and exits as soon as it loses the Lease."""
@@ -59,7 +65,7 @@ async def serve_elected(config: SchedulerServiceConfig, scheduler_config: Schedu
     services: list[SchedulerService] = []
 
     async def lead() -> None:
-        services.append(await start_service(config, scheduler_config))
+        services.append(await start_service(config, scheduler_config, endpoint))
 
     try:
         elector = leader.elector_from_config(config, lead, exit_lease_lost)
@@ -85,22 +91,11 @@ def exit_lease_lost(reason: str) -> None:
 
 
 async def start_service(
-    config: SchedulerServiceConfig, scheduler_config: SchedulerConfig
+    config: SchedulerServiceConfig, scheduler_config: SchedulerConfig, endpoint: HttpEndpoint
 ) -> SchedulerService:
-    """A scheduler of a new epoch, serving."""
+    """A scheduler of a new epoch, serving (and reported by `endpoint`)."""
     service = SchedulerService(config, scheduler_config)
-    if config.metrics_port:
-        try:
-            start_http_server(
-                config.metrics_port, config.metrics_host, registry=service.metrics.registry
-            )
-        except OSError as exc:  # e.g. another scheduler has it: schedule all the same
-            log.error(
-                "no /metrics: cannot serve on %s:%d: %s",
-                config.metrics_host,
-                config.metrics_port,
-                exc,
-            )
+    endpoint.serve(service)
     await service.start()
     return service
 
