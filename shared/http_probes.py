@@ -26,16 +26,6 @@ Check = Callable[[], str | None]
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 
 
-def all_of(checks: Iterable[Check]) -> Check:
-    """A check that fails with the first failing one's reason."""
-    checks = list(checks)
-
-    def check() -> str | None:
-        return next((r for c in checks if (r := c()) is not None), None)
-
-    return check
-
-
 def loop_responds(loop: asyncio.AbstractEventLoop, timeout_s: float) -> Check:
     """A check that the event loop `loop` runs a callback within `timeout_s` (call it from
     another thread)."""
