@@ -15,6 +15,8 @@ from typing import Any, NoReturn, TypeVar, overload
 
 import msgspec
 
+from shared.structured_outputs import StructuredOutputsParams, check_structured_outputs
+
 GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 DEFAULT_MAX_TOKENS = 16  # vLLM's default, and OpenAI's for /v1/completions
 MAX_LOGPROBS = 20
@@ -53,6 +55,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # What `logprobs` report: "raw_logprobs" (default), "raw_logits", "processed_logprobs" or
     # "processed_logits" (after penalties, temperature and filters), as vLLM's option.
     logprobs_mode: str = "raw_logprobs"
+    # A JSON schema, regex, choice or grammar the output must follow, enforced by the worker's
+    # sampler (shared/structured_outputs.py).
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def greedy(self) -> bool:
@@ -217,6 +222,14 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> No
         )
 
 
+def _check_structured_outputs(p: SamplingParams, _: int) -> None:
+    if p.structured_outputs is not None:
+        try:
+            check_structured_outputs(p.structured_outputs)
+        except ValueError as exc:
+            _fail(str(exc), "structured_outputs")
+
+
 _CHECKS: tuple[Callable[[SamplingParams, int], None], ...] = (
     _check_n,
     _check_temperature,
@@ -227,6 +240,7 @@ _CHECKS: tuple[Callable[[SamplingParams, int], None], ...] = (
     _check_seed,
     _check_logit_bias,
     _check_token_lists,
+    _check_structured_outputs,
 )
 
 
