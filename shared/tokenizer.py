@@ -77,7 +77,10 @@ class Tokenizer:
         return {char: byte for byte, char in _bytes_to_unicode().items()}
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template")
@@ -87,6 +90,7 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise
         return env.from_string(self.chat_template).render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
