@@ -109,6 +109,9 @@ class GatewayMetrics:
             "skiff_gateway_engine_ready", "1 when a scheduler with workers is up.", registry=reg
         )
         ready.set_function(lambda: float(engine.ready))
+        if hasattr(engine, "connected"):
+            connected = Gauge("skiff_nats_connected", "1 while connected to NATS.", registry=reg)
+            connected.set_function(lambda: float(engine.connected))  # type: ignore[attr-defined]
         if hasattr(engine, "stats"):
             reg.register(_EngineStatsCollector(engine))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+RTT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, *STEP_BUCKETS)
+REJECT_STATUSES = ("400", "429", "503")  # services/scheduler/admission.py
 SIZE_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 
 
@@ -91,4 +93,23 @@ class SchedulerMetrics:
         )
         self.rejected = Counter(
             "skiff_requests_rejected", "Submissions rejected.", ["reason"], registry=r
+        )
+        for status in REJECT_STATUSES:  # at 0 from the start: rate() has data before any
+            self.rejected.labels(status)
+        self.plans_in_flight = Gauge(
+            "skiff_worker_plans_in_flight",
+            "Plans published to a worker whose results have not come back.",
+            ["worker_id"],
+            registry=r,
+        )
+        self.nats_round_trip = Histogram(
+            "skiff_nats_round_trip_seconds",
+            "Per step: plan published (or, with two plans in flight, the previous result "
+            "received) to result received, less the worker's execute and idle time.",
+            ["worker_id"],
+            buckets=RTT_BUCKETS,
+            registry=r,
+        )
+        self.nats_connected = Gauge(
+            "skiff_nats_connected", "1 while connected to NATS.", registry=r
         )

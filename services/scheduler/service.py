@@ -77,6 +77,7 @@ class SchedulerService:
             options=bus.ConnectOptions.from_config(self.config),
             on_reconnect=self._on_reconnect,
         )
+        self.metrics.nats_connected.set_function(lambda: float(self.nc.is_connected))
         s, nc = self.subjects, self.nc
         await bus.serve(
             nc, s.submit, SubmitRequest, self._on_submit, on_malformed=self._on_malformed_submit

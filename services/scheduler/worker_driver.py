@@ -74,6 +74,8 @@ class WorkerDriver:
         self._wakeup = asyncio.Event()
         self._in_flight: deque[StepInFlight] = deque()  # oldest first
         self._task: asyncio.Task[None] | None = None
+        self._result_at = 0.0  # perf_counter() when the last result came in
+        self._plans_in_flight = metrics.plans_in_flight.labels(worker.worker_id)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -86,6 +88,7 @@ class WorkerDriver:
         for step in self._in_flight:
             step.result.cancel()
         self._in_flight.clear()
+        self._plans_in_flight.set(0)
 
     def wake(self) -> None:
         """New work (or an abort to pass on) for an idle loop."""
@@ -114,8 +117,14 @@ class WorkerDriver:
                 self._stall(step.step_id)
                 return
             self._in_flight.popleft()
+            self._plans_in_flight.set(len(self._in_flight))
+            received_at = time.perf_counter()
             wid = self.worker.worker_id
-            self._metrics.step_seconds.labels(wid).observe(time.perf_counter() - step.published_at)
+            self._metrics.step_seconds.labels(wid).observe(received_at - step.published_at)
+            could_start = max(step.published_at, self._result_at)
+            self._result_at = received_at
+            transit = received_at - could_start - output.execute_s - output.idle_s
+            self._metrics.nats_round_trip.labels(wid).observe(max(transit, 0.0))
             self._metrics.execute_seconds.labels(wid).observe(output.execute_s)
             self._metrics.worker_idle_seconds.labels(wid).inc(output.idle_s)
             t0 = time.perf_counter()
@@ -151,6 +160,7 @@ class WorkerDriver:
                 loop.create_future(),
             )
             self._in_flight.append(step)  # before the await: the result may beat it back
+            self._plans_in_flight.set(len(self._in_flight))
             self._metrics.plan_bytes.observe(await self._publish(self._plan_subject, plan))
             step.published_at = time.perf_counter()
         return spent
@@ -163,4 +173,5 @@ class WorkerDriver:
         log.error("worker %s: no result for step %d in time", self.worker.worker_id, step_id)
         self._task = None  # the loop ends here, so stop() must not cancel it
         self._in_flight.clear()
+        self._plans_in_flight.set(0)
         self._on_stall(self.worker)

@@ -74,7 +74,6 @@ async def serve(argv: list[str] | None = None) -> None:
         started = time.perf_counter()
         runners = [build(runner_config, configs[SimConfig]) for _ in ids]
         metrics.load_seconds.set(time.perf_counter() - started)
-        metrics.kv_blocks.set(sum(r.num_blocks for r in runners))
         services = [
             WorkerService(
                 dataclasses.replace(config, worker_id=worker_id),

@@ -17,6 +17,7 @@ from services.worker.model_config import ModelConfig
 from services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from services.worker.sampler import prompt_logprobs as prompt_lp
 from services.worker.sampling_metadata import build_sampling_metadata
+from services.worker.step_timer import StepTimer
 from shared.protocol import BatchPlan, ModelRunnerOutput, TokenLogprobs
 
 
@@ -57,6 +58,7 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.timer = StepTimer(cuda=self.device.type == "cuda")
         self.num_tokens_computed = 0  # all tokens run through the model so far
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs:
@@ -81,24 +83,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> ModelRunnerOutput:
+        self.timer.begin()
         self._update_states(plan)
         if not plan.num_scheduled_tokens:
             return ModelRunnerOutput(step_id=plan.step_id)
         inputs = self._prepare_inputs(plan)
+        self.timer.mark("prepare")
         self.num_tokens_computed += len(inputs.positions)
         hidden = self._forward(inputs)  # [num_tokens, hidden_size]
         prompt_logprobs = self._prompt_logprobs(plan, inputs, hidden)  # extra logits rows
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
+        self.timer.mark("forward")
         sampling_rows = inputs.rows[inputs.sampling]
         result = self.sampler(logits, self._sampling_metadata(sampling_rows))
+        self.timer.mark("sample")
         output = self._write_back(plan.step_id, inputs, sampling_rows, result)
         output.prompt_logprobs = prompt_logprobs
+        self.timer.mark("write_back")
         return output
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        self.timer.cuda_graph = False
         if self.decode_graphs is not None:
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
             if hidden is not None:
+                self.timer.cuda_graph = True
                 return hidden
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
@@ -156,6 +165,7 @@ class ModelRunner:
         self, step_id: int, inputs: StepInputs, sampling_rows: np.ndarray, result: SamplerOutput
     ) -> ModelRunnerOutput:
         sampled = result.sampled_token_ids.cpu().numpy()  # [num_sampling]
+        self.timer.synced()  # that copy waited for the step's device work
         self.batch.append_tokens(sampling_rows, sampled)
         per_req: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: list[TokenLogprobs | None] = [None] * len(inputs.req_ids)

@@ -15,7 +15,9 @@ from nats.aio.client import Client
 
 from services.worker.config import RunnerConfig, WorkerHttpConfig
 from services.worker.health import StepWatch
+from services.worker.input_batch import InputBatch
 from services.worker.metrics import WorkerMetrics
+from services.worker.step_timer import StepTimer
 from shared import bus
 from shared.config import WorkerServiceConfig
 from shared.epochs import STALE_EPOCH_SILENCE_S, EpochFollower
@@ -24,6 +26,11 @@ from shared.subjects import Subjects, worker_prefix
 
 log = logging.getLogger("skiff.worker")
 T = TypeVar("T")
+KV_MEASURE_INTERVAL_S = 1.0  # counting the blocks in use costs up to a millisecond
+
+
+def _epoch(worker_session: str) -> str:
+    return worker_session.partition(":")[0]
 
 
 class Runner(Protocol):
@@ -34,6 +41,8 @@ class Runner(Protocol):
     max_model_len: int
     device: Any
     model_config: Any  # vocab_size, eos_token_ids
+    timer: StepTimer  # the last step's phases
+    batch: InputBatch  # the persistent batch (its block tables)
 
     def execute(self, plan: BatchPlan) -> ModelRunnerOutput: ...
 
@@ -63,6 +72,10 @@ class WorkerService:
         self.config = config
         self.runner = runner
         self.metrics = metrics or WorkerMetrics(config.model_name)
+        self.series = self.metrics.worker(config.worker_id, self._connected)
+        self.series.watch_device(runner)
+        self.series.set_kv_blocks(runner.batch, runner.num_blocks)
+        self._kv_measured_at = 0.0  # time.monotonic() of the last KV block count
         http = WorkerHttpConfig()
         self.watch = watch or StepWatch(
             http.execute_model_timeout_s, http.execute_model_timeout_factor
@@ -118,6 +131,10 @@ class WorkerService:
             asyncio.create_task(self._execute_loop()),
         ]
         log.info("worker %s up: %d KV blocks", self.config.worker_id, self.runner.num_blocks)
+
+    def _connected(self) -> bool:
+        nc: Client | None = getattr(self, "nc", None)
+        return nc is not None and nc.is_connected
 
     def live(self) -> str | None:
         """Why /health fails (None: it passes): a wedged step."""
@@ -178,6 +195,8 @@ class WorkerService:
             if plan.worker_session != self.worker_session:
                 if self.worker_session:
                     log.warning("new scheduler epoch: dropping all request state")
+                    if _epoch(plan.worker_session) != _epoch(self.worker_session):
+                        self.series.epoch_changes.inc()
                 self.worker_session = plan.worker_session
                 await self._call(self.runner.reset)
             self.adopted = True
@@ -201,11 +220,21 @@ class WorkerService:
             output.idle_s = idle_s
             num_reqs = len(plan.num_scheduled_tokens)
             self.watch.end(output.execute_s, count=num_reqs > 0)
-            if num_reqs:
-                self.metrics.observe_step(
-                    output.execute_s, plan.total_num_scheduled_tokens, num_reqs
-                )
             await bus.publish(self.nc, self.subjects.result, output)
+            if num_reqs:
+                self._observe(output.execute_s, plan)
+
+    def _observe(self, execute_s: float, plan: BatchPlan) -> None:
+        """Metrics of a step with tokens; the KV blocks in use at most once a second."""
+        series = self.series
+        series.observe_step(
+            execute_s, plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens)
+        )
+        series.observe_timer(self.runner.timer)
+        now = time.monotonic()
+        if now - self._kv_measured_at >= KV_MEASURE_INTERVAL_S:
+            self._kv_measured_at = now
+            series.set_kv_blocks(self.runner.batch, self.runner.num_blocks)
 
     async def _heartbeat(self) -> None:
         while True:

@@ -25,6 +25,7 @@ import numpy as np
 
 from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig
 from services.worker.input_batch import CachedRequestState, InputBatch, apply_plan_diff
+from services.worker.step_timer import StepTimer
 from shared.protocol import BatchPlan, ModelRunnerOutput, NewRequestData, TokenLogprobs
 
 # KV cache of one H200 serving an 8B model. Llama-3-8B stores K and V for 32 layers x 8 KV heads
@@ -142,6 +143,7 @@ class SimRunner:
         self.device = SIM_DEVICE
         self.model_config = ModelInfo.from_dir(config.model_dir)
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.timer = StepTimer()  # forward: the time it holds the simulated device
         self.reset()
 
     def reset(self) -> None:
@@ -162,12 +164,16 @@ class SimRunner:
         loop = asyncio.get_running_loop()
         done_at = loop.time() + self.step_time_s(plan)
         output = self.execute(plan)
-        await asyncio.sleep(max(0.0, done_at - loop.time()))
+        held_from = loop.time()
+        await asyncio.sleep(max(0.0, done_at - held_from))
+        if plan.num_scheduled_tokens:
+            self.timer.add("forward", loop.time() - held_from)
         return output
 
     # ---- the step, as ModelRunner.execute without the model ---------------------------------
 
     def execute(self, plan: BatchPlan) -> ModelRunnerOutput:
+        self.timer.begin()
         apply_plan_diff(self.batch, self.requests, plan, SimRequestState)
         if not plan.num_scheduled_tokens:
             return ModelRunnerOutput(step_id=plan.step_id)
@@ -180,8 +186,10 @@ class SimRunner:
         sampling = seq_lens >= batch.num_tokens[rows]  # [num_reqs] reached its known tokens
         batch.num_computed_tokens[rows] = seq_lens
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, num_sched)
+        self.timer.mark("prepare")
         output = self._write_back(plan.step_id, req_ids, rows, sampling)
         output.prompt_logprobs = prompt_logprobs
+        self.timer.mark("write_back")
         return output
 
     def _check(self, req_ids: list[str], rows: np.ndarray, seq_lens: np.ndarray) -> None:
@@ -208,6 +216,7 @@ class SimRunner:
         num_out = np.fromiter((len(s.output_token_ids) for s in states), np.int64, len(states))
         eos_allowed = num_out >= batch.sampling.min_tokens[sampling_rows]
         sampled = sample_tokens(keys, positions, eos_allowed, self.model_config, self.sim.eos_rate)
+        self.timer.mark("sample")
         batch.append_tokens(sampling_rows, sampled)
         per_req: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[TokenLogprobs | None] = [None] * len(req_ids)

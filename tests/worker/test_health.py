@@ -124,10 +124,11 @@ def test_ready_once_adopted_and_a_goodbye_on_leaving(model_dir, nats_url):
         await bus.publish(nc, subjects.plan("w-3"), step)
         await asyncio.wait_for(results.get(), 5)
         registry = service.metrics.registry
-        assert registry.get_sample_value("skiff_worker_step_seconds_count") == 1  # not the empty
-        assert registry.get_sample_value("skiff_worker_batch_size_sum") == 1
+        wid = {"worker_id": "w-3"}
+        assert registry.get_sample_value("skiff_worker_step_seconds_count", wid) == 1  # not empty
+        assert registry.get_sample_value("skiff_worker_batch_size_sum", wid) == 1
         tokens = registry.get_sample_value(
-            "vllm:iteration_tokens_total_sum", {"model_name": service.config.model_name}
+            "vllm:iteration_tokens_total_sum", {"model_name": service.config.model_name, **wid}
         )
         assert tokens == 5
         assert service.watch.mean_s is not None and service.watch.check() is None
