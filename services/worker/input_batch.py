@@ -1,19 +1,27 @@
 """The persistent batch: one row per request held by the worker, in preallocated arrays.
 
 Rows change only by the per-step diff (add, remove, extend the block table, append a sampled
-token); `condense` fills holes left by removed requests so rows stay dense.
+token); `condense` fills holes left by removed requests so rows stay dense. With a
+`GrammarCompiler`, a structured request's row holds its grammar matcher: built (replaying the
+output so far) when the request enters the batch, advanced with each appended token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Self, TypeVar
+from typing import TYPE_CHECKING, Self, TypeVar
 
 import numpy as np
 
+from services.worker.grammar import advance
 from services.worker.sampling_columns import SamplingColumns
 from shared.protocol import BatchPlan, NewRequestData
 from shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from services.worker.grammar import GrammarCompiler
 
 
 @dataclass
@@ -49,7 +57,13 @@ S = TypeVar("S", bound=CachedRequestState)
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        grammar: GrammarCompiler | None = None,
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         max_blocks = -(-max_model_len // block_size)
@@ -63,6 +77,9 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.sampling = SamplingColumns.allocate(max_num_reqs)
+        self.grammar = grammar  # None: structured outputs are not enforced (the sim runner)
+        self.matchers: list[LLMatcher | None] = [None] * max_num_reqs
+        self.has_matcher = np.zeros(max_num_reqs, dtype=bool)
 
     def add_request(self, state: CachedRequestState) -> int:
         """Append a row; call after `condense` so that rows stay dense."""
@@ -80,6 +97,10 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_block_ids(row, state.block_ids)
         self.sampling.set(row, state.sampling_params)
+        structured = state.sampling_params.structured_outputs
+        if structured is not None and self.grammar is not None:
+            self.matchers[row] = self.grammar.matcher(structured, state.output_token_ids)
+        self.has_matcher[row] = self.matchers[row] is not None
         return row
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
@@ -91,11 +112,20 @@ class InputBatch:
         """Append one token to each of `rows` ([r] each)."""
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
+        for i in np.flatnonzero(self.has_matcher[rows]).tolist():
+            advance(self.matchers[rows[i]], int(token_ids[i]))
+
+    def structured(self, rows: np.ndarray) -> tuple[np.ndarray, list[LLMatcher]]:
+        """Of `rows`: the indices of those with a grammar, and their matchers."""
+        sel = np.flatnonzero(self.has_matcher[rows])
+        return sel, [self.matchers[r] for r in rows[sel].tolist()]
 
     def remove_request(self, req_id: str) -> None:
         row = self.req_id_to_index.pop(req_id, None)
         if row is not None:
             self.req_ids[row] = None
+            self.matchers[row] = None
+            self.has_matcher[row] = False
 
     def condense(self) -> None:
         """Move the last rows into holes so that rows 0..num_reqs-1 are all occupied."""
@@ -122,6 +152,8 @@ class InputBatch:
         self.num_blocks[dst] = nb
         self.block_table[dst, :nb] = self.block_table[src, :nb]
         self.sampling.move(src, dst)
+        self.matchers[dst], self.matchers[src] = self.matchers[src], None
+        self.has_matcher[dst], self.has_matcher[src] = self.has_matcher[src], False
 
 
 def apply_plan_diff(

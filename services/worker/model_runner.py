@@ -1,5 +1,10 @@
 """Model runner: applies each BatchPlan's diff to the persistent batch, prepares the step's
-tensors, runs the model and the sampler, and writes sampled tokens back."""
+tensors, runs the model and the sampler, and writes sampled tokens back.
+
+Structured outputs: the step's grammar masks are filled on the CPU right after the forward is
+launched, so on CUDA they are ready while the GPU still runs it; on the CPU they add to the
+step.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,14 @@ import torch
 from services.worker.attention import AttentionMetadata, get_attention_backend
 from services.worker.config import RunnerConfig
 from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.grammar import GrammarCompiler
+from services.worker.grammar_bitmask import GrammarBitmask
 from services.worker.input_batch import CachedRequestState, InputBatch, apply_plan_diff
 from services.worker.loader import load_model
 from services.worker.model_config import ModelConfig
 from services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from services.worker.sampler import prompt_logprobs as prompt_lp
+from services.worker.sampler.metadata import GrammarMask
 from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.step_timer import StepTimer
 from shared.protocol import BatchPlan, ModelRunnerOutput, TokenLogprobs
@@ -55,7 +63,9 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_hidden_layers)
         ]
-        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
+        self.grammar = GrammarCompiler(config.model_dir, mc.vocab_size, mc.eos_token_ids)
+        self.grammar_bitmask = GrammarBitmask(config.max_num_seqs, mc.vocab_size, self.device)
+        self.batch = self._new_batch()
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.timer = StepTimer(cuda=self.device.type == "cuda")
@@ -75,9 +85,11 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (the scheduler that placed them is gone)."""
         self.requests.clear()
-        self.batch = InputBatch(
-            self.config.max_num_seqs, self.max_model_len, self.config.block_size
-        )
+        self.batch = self._new_batch()
+
+    def _new_batch(self) -> InputBatch:
+        c = self.config
+        return InputBatch(c.max_num_seqs, self.max_model_len, c.block_size, self.grammar)
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -91,11 +103,12 @@ class ModelRunner:
         self.timer.mark("prepare")
         self.num_tokens_computed += len(inputs.positions)
         hidden = self._forward(inputs)  # [num_tokens, hidden_size]
+        sampling_rows = inputs.rows[inputs.sampling]
+        grammar = self._grammar_mask(sampling_rows)  # on CUDA: while the forward runs
         prompt_logprobs = self._prompt_logprobs(plan, inputs, hidden)  # extra logits rows
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
         self.timer.mark("forward")
-        sampling_rows = inputs.rows[inputs.sampling]
-        result = self.sampler(logits, self._sampling_metadata(sampling_rows))
+        result = self.sampler(logits, self._sampling_metadata(sampling_rows, grammar))
         self.timer.mark("sample")
         output = self._write_back(plan.step_id, inputs, sampling_rows, result)
         output.prompt_logprobs = prompt_logprobs
@@ -156,10 +169,22 @@ class ModelRunner:
             sampling=sampling,
         )
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _grammar_mask(self, rows: np.ndarray) -> GrammarMask | None:
+        """The next-token masks of the sampled rows that follow a grammar."""
+        sel, matchers = self.batch.structured(rows)
+        if not matchers:
+            return None
+        bitmask = self.grammar_bitmask.fill(matchers)
+        return GrammarMask(torch.from_numpy(sel).to(self.device), bitmask)
+
+    def _sampling_metadata(
+        self, rows: np.ndarray, grammar: GrammarMask | None = None
+    ) -> SamplingMetadata:
         mc = self.model_config
         eos = mc.eos_token_ids
-        return build_sampling_metadata(self.batch, rows, mc.vocab_size, eos, self.device)
+        return build_sampling_metadata(
+            self.batch, rows, mc.vocab_size, eos, self.device, grammar=grammar
+        )
 
     def _write_back(
         self, step_id: int, inputs: StepInputs, sampling_rows: np.ndarray, result: SamplerOutput

@@ -18,6 +18,7 @@ from services.worker.sampler.metadata import (
     Allowed,
     BadWords,
     Filters,
+    GrammarMask,
     LogprobsSpec,
     Penalties,
     SamplingMetadata,
@@ -38,8 +39,10 @@ def build_sampling_metadata(
     vocab_size: int,
     eos_token_ids: Sequence[int],
     device: torch.device | str = "cpu",
+    grammar: GrammarMask | None = None,
 ) -> SamplingMetadata:
-    """rows: [n] persistent-batch rows, in the order of the logits' rows."""
+    """rows: [n] persistent-batch rows, in the order of the logits' rows; `grammar`: the
+    step's structured-output masks (the runner fills them while the forward runs)."""
     dev, cols = torch.device(device), batch.sampling
     temperature = cols.temperature[rows]  # [n]
     greedy = is_greedy(temperature)  # [n] bool
@@ -56,9 +59,10 @@ def build_sampling_metadata(
         filters=_filters(cols, rows, vocab_size, dev),
         allowed=_allowed(cols, rows, vocab_size, dev),
         bad_words=_bad_words(batch, rows, dev),
-        min_tokens=_min_tokens(cols, rows, output_len, eos_token_ids, dev),
+        min_tokens=_min_tokens(batch, rows, output_len, eos_token_ids, dev),
         logit_bias=_token_rows(cols.logit_bias, rows, dev),
         penalties=_penalties(batch, rows, dev),
+        grammar=grammar,
         logprobs=_logprobs(cols, rows, dev),
     )
 
@@ -121,16 +125,19 @@ def _bad_words(batch: InputBatch, rows: np.ndarray, device: torch.device) -> Bad
 
 
 def _min_tokens(
-    cols: SamplingColumns,
+    batch: InputBatch,
     rows: np.ndarray,
     output_len: np.ndarray,
     eos_token_ids: Sequence[int],
     device: torch.device,
 ) -> TokenRows | None:
     """Rows still below min_tokens, with their stop ids and every EOS id to ban (vLLM bans
-    EOS there even with ignore_eos)."""
-    eos = np.asarray(eos_token_ids, dtype=np.int64)
+    EOS there even with ignore_eos), but for rows whose grammar is complete (EOS is all it
+    allows: the grammar wins)."""
+    cols, eos = batch.sampling, np.asarray(eos_token_ids, dtype=np.int64)
     below = output_len < cols.min_tokens[rows]
+    for i in np.flatnonzero(below & batch.has_matcher[rows]).tolist():
+        below[i] = not batch.matchers[rows[i]].is_stopped()
     has_stop = cols.stop_token_ids.has[rows]
     sel = np.flatnonzero(below & (has_stop | (eos.size > 0)))
     if not sel.size:

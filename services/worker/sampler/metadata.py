@@ -59,6 +59,14 @@ class Allowed:
 
 
 @dataclass
+class GrammarMask:
+    """Structured outputs: the tokens each grammar-bound row may take next."""
+
+    rows: torch.Tensor  # [r] int64
+    bitmask: torch.Tensor  # [r, ceil(vocab / 32)] int32: bit b of word w allows token 32w + b
+
+
+@dataclass
 class LogprobsSpec:
     """Which rows want logprobs, from which stage, as logprobs or as logits."""
 
@@ -88,6 +96,7 @@ class SamplingMetadata:
     min_tokens: TokenRows | None = None  # ids to ban (stop ids + EOS) while below min_tokens
     logit_bias: TokenRows | None = None
     penalties: Penalties | None = None
+    grammar: GrammarMask | None = None
     logprobs: LogprobsSpec | None = None
 
     @property
@@ -97,5 +106,12 @@ class SamplingMetadata:
     @property
     def changes_logits(self) -> bool:
         """Whether any step writes into the logits (if not, raw logprobs need no copy)."""
-        steps = (self.allowed, self.bad_words, self.min_tokens, self.logit_bias, self.penalties)
+        steps = (
+            self.allowed,
+            self.bad_words,
+            self.min_tokens,
+            self.logit_bias,
+            self.penalties,
+            self.grammar,
+        )
         return not self.all_greedy or any(step is not None for step in steps)

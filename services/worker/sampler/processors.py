@@ -1,12 +1,13 @@
-"""Token-level logit processors, in place: allowed-token whitelist, bad words, min_tokens and
-logit_bias. Each touches only the rows (and, but for the whitelist, only the tokens) it names.
+"""Token-level logit processors, in place: allowed-token whitelist, bad words, min_tokens,
+logit_bias and the structured-output grammar mask. Each touches only the rows (and, but for the
+whitelist and the grammar, only the tokens) it names.
 """
 
 from __future__ import annotations
 
 import torch
 
-from services.worker.sampler.metadata import Allowed, BadWords, TokenRows
+from services.worker.sampler.metadata import Allowed, BadWords, GrammarMask, TokenRows
 from services.worker.sampler.topk_topp import on_rows
 
 _NEG_INF = float("-inf")
@@ -39,6 +40,30 @@ def apply_logit_bias(logits: torch.Tensor, bias: TokenRows) -> None:
     """Add each row's bias to its listed ids (padding adds 0)."""
     rows = bias.rows.unsqueeze(1).expand_as(bias.token_ids)
     logits.index_put_((rows, bias.token_ids), bias.values, accumulate=True)
+
+
+def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask, buffer: torch.Tensor) -> None:
+    """-inf at each grammar row's disallowed tokens, as one additive bias: each byte of the
+    bitmask picks its 8 entries (0 or -inf) from a 256-row table; `buffer` holds at least
+    r * words * 32 floats on the logits' device (reused across steps)."""
+    r, vocab = len(mask.rows), logits.shape[1]
+    byte_ids = mask.bitmask.view(torch.uint8).view(-1).int()  # little-endian: token 8i + bit
+    table = _byte_bias(logits.device)
+    out = buffer[: byte_ids.numel() * 8].view(-1, 8)
+    bias = torch.index_select(table, 0, byte_ids, out=out).view(r, -1)[:, :vocab]
+    logits.index_add_(0, mask.rows, bias)
+
+
+_BYTE_BIAS: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_bias(device: torch.device) -> torch.Tensor:
+    """[256, 8] fp32: 0 where bit j of byte i is set, else -inf."""
+    table = _BYTE_BIAS.get(device)
+    if table is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        table = _BYTE_BIAS[device] = torch.where(bits.bool(), 0.0, _NEG_INF).to(device)
+    return table
 
 
 def _neg_inf(x: torch.Tensor) -> torch.Tensor:

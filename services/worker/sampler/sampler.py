@@ -1,9 +1,9 @@
 """The sampler: logits of the batch's sampling rows -> next tokens (+ logprobs).
 
 Order (vLLM's semantics; see docs/architecture.md): snapshot for raw logprobs ->
-float32 -> allowed_token_ids -> bad words -> min_tokens -> logit_bias -> penalties -> greedy
-argmax, or temperature -> min_p -> top-k -> top-p -> (snapshot for processed logprobs) ->
-sample -> top logprobs with the sampled token's value and rank.
+float32 -> allowed_token_ids -> bad words -> min_tokens -> logit_bias -> penalties ->
+structured-output grammar mask -> greedy argmax, or temperature -> min_p -> top-k -> top-p ->
+(snapshot for processed logprobs) -> sample -> top logprobs with the sampled token's value and rank.
 
 Every step works on the whole batch at once and is skipped when no row needs it (its metadata
 is None). The logits are changed in place. Randomness: see `random.py`.
@@ -52,6 +52,10 @@ class Sampler:
         apply_logit_processors(logits, meta)
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
+        if meta.grammar is not None:
+            words = meta.grammar.bitmask.shape[1]
+            buffer = self._buffer("grammar", (len(logits) * words * 32,), logits.device)
+            processors.apply_grammar_mask(logits, meta.grammar, buffer)
         sampled, processed = self._sample(logits, meta)
         result = SamplerOutput(sampled_token_ids=sampled)
         if lp is not None:
@@ -95,11 +99,17 @@ class Sampler:
         if rows is None:
             return None
         src = rows_of(logits, rows)
+        return self._buffer(name, src.shape, src.device)[: len(src)].copy_(src)
+
+    def _buffer(
+        self, name: str, shape: torch.Size | tuple[int, ...], device: torch.device
+    ) -> torch.Tensor:
+        """An fp32 buffer of at least `shape` (more rows allowed), kept across steps."""
         buf = self._buffers.get(name)
-        if buf is None or buf.shape[0] < len(src) or buf.shape[1:] != src.shape[1:]:
-            buf = torch.empty(src.shape, dtype=torch.float32, device=src.device)
+        if buf is None or buf.shape[0] < shape[0] or buf.shape[1:] != shape[1:]:
+            buf = torch.empty(shape, dtype=torch.float32, device=device)
             self._buffers[name] = buf
-        return buf[: len(src)].copy_(src)
+        return buf
 
 
 def draw(
