@@ -50,9 +50,11 @@ def create_app(
     model_root: str | None = None,
 ) -> FastAPI:
     """Build the app. `max_model_len=None` takes the context length from the scheduler's
+    tool_call_parser: str | None = None,
     heartbeat. `keepalive_interval` > 0 sends an SSE comment on streams that wait that long for
-    tokens. The shared state is `app.state.gateway` (a `GatewayContext`); set its `draining` to
-    make /health fail and new requests get 503 during shutdown."""
+    tokens. `tool_call_parser` names the model's tool-call format (None: from its template).
+    The shared state is `app.state.gateway` (a `GatewayContext`); set its `draining` to make
+    /health fail and new requests get 503 during shutdown."""
     metrics = GatewayMetrics(served_model_name, engine_client)
     ctx = GatewayContext(
         engine_client,
@@ -65,6 +67,7 @@ def create_app(
         keepalive_interval=keepalive_interval,
     )
     app = FastAPI(
+        tool_call_parser=tool_call_parser,
         title="skiff gateway",
         version=_version(),
         summary="OpenAI-compatible API of skiff (vLLM-compatible)",

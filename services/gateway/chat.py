@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: the model's chat template, n choices, logprobs, streaming."""
+"""POST /v1/chat/completions: the model's chat template, n choices, logprobs, streaming,
+structured outputs and tool calls."""
 
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ from services.gateway.serving import (
     usage,
 )
 from services.gateway.sse import EventStreamResponse
+from services.gateway.structured import Structure, only_one, requested_structure
+from services.gateway.tool_calls import OutputParser, parse_all
+from services.gateway.tool_choice import ToolMode, output_parser, tool_mode, tool_schema
 from shared.sampling_params import resolve_max_tokens
+from shared.structured_outputs import StructuredOutputsParams
 
 
 def _num_top_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -38,6 +43,20 @@ def _num_top_logprobs(body: ChatCompletionRequest) -> int | None:
             400, "when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs"
         )
     return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def _structure(body: ChatCompletionRequest, mode: ToolMode) -> Structure | None:
+    """What the request asks for, or the calls a forced `tool_choice` allows (not both)."""
+    found = [s for s in (requested_structure(body),) if s is not None]
+    if mode.forced:
+        assert body.tools
+        schema = tool_schema(body.tools, mode, body.parallel_tool_calls)
+        found.append(Structure("tool_choice", StructuredOutputsParams(json=schema)))
+    return only_one(found)
+
+
+def _finish_reason(reason: str | None, parser: OutputParser) -> str | None:
+    return "tool_calls" if reason == "stop" and parser.num_calls else reason
 
 
 def router(ctx: GatewayContext) -> APIRouter:
@@ -52,8 +71,12 @@ def router(ctx: GatewayContext) -> APIRouter:
         num_top = _num_top_logprobs(body)
         max_model_len = ctx.max_model_len()
         check_sizes(body, ctx.encoder)
+        mode = tool_mode(body)
+        structure = _structure(body, mode)
+        if structure is not None:
+            await ctx.structures.check(structure)
         text = ctx.render_chat(
-            body.messages, body.add_generation_prompt, body.continue_final_message
+            body.messages, body.add_generation_prompt, body.continue_final_message, body.tools
         )
         prompt_ids = await ctx.encode(text, body.add_special_tokens, "messages")
         requested, field = body.max_completion_tokens, "max_completion_tokens"
@@ -67,7 +90,9 @@ def router(ctx: GatewayContext) -> APIRouter:
                 max_tokens=max_tokens,
                 logprobs=num_top,
                 prompt_logprobs=body.prompt_logprobs,
+                structured_outputs=structure.params if structure else None,
             )
+        parsers = [output_parser(mode, ctx.auto_tool_parser) for _ in range(body.n)]
         base = engine_base_id()
         specs = [
             ChoiceSpec(
@@ -126,8 +151,16 @@ def router(ctx: GatewayContext) -> APIRouter:
                 for i in range(body.n)
             ]
 
-            def chunk(update: ChoiceUpdate) -> Payload:
-                delta = {"content": update.text} if update.text else {}
+            def chunk(update: ChoiceUpdate) -> Payload | None:
+                parser = parsers[update.index]
+                parsed = parser.feed(update.text)
+                if update.finish_reason is not None:
+                    parsed.extend(parser.finish())
+                delta: Payload = {"content": parsed.content} if parsed.content else {}
+                if parsed.calls:
+                    delta["tool_calls"] = [c.payload() for c in parsed.merged_calls()]
+                if not delta and update.finish_reason is None and num_top is None:
+                    return None  # held back by the parser
                 return {
                     **chunk_head,
                     "choices": [
@@ -135,7 +168,7 @@ def router(ctx: GatewayContext) -> APIRouter:
                             "index": update.index,
                             "delta": delta,
                             "logprobs": logprobs(update),
-                            "finish_reason": update.finish_reason,
+                            "finish_reason": _finish_reason(update.finish_reason, parser),
                             "stop_reason": update.stop_reason,
                         }
                     ],
@@ -149,19 +182,27 @@ def router(ctx: GatewayContext) -> APIRouter:
             events = event_stream(ctx, gen, opening, chunk, final)
             return EventStreamResponse(events, on_close=gen.close)
 
+        def choice(update: ChoiceUpdate) -> Payload:
+            parser = parsers[update.index]
+            content, calls = parse_all(parser, update.text)
+            message: Payload = {
+                "role": "assistant",
+                "content": content or None if calls else content,
+            }
+            if calls:
+                message["tool_calls"] = calls
+            return {
+                "index": update.index,
+                "message": message,
+                "logprobs": logprobs(update),
+                "finish_reason": _finish_reason(update.finish_reason, parser),
+                "stop_reason": update.stop_reason,
+            }
+
         def build(results: list[ChoiceUpdate]) -> Payload:
             return {
                 **head("chat.completion"),
-                "choices": [
-                    {
-                        "index": u.index,
-                        "message": {"role": "assistant", "content": u.text},
-                        "logprobs": logprobs(u),
-                        "finish_reason": u.finish_reason,
-                        "stop_reason": u.stop_reason,
-                    }
-                    for u in results
-                ],
+                "choices": [choice(u) for u in results],
                 "usage": final_usage(),
                 "prompt_logprobs": prompt_logprobs(),
             }

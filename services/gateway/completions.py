@@ -1,4 +1,5 @@
-"""POST /v1/completions: prompts as text or token ids, n choices each, echo, logprobs."""
+"""POST /v1/completions: prompts as text or token ids, n choices each, echo, logprobs,
+structured outputs."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from services.gateway.serving import (
     usage,
 )
 from services.gateway.sse import EventStreamResponse
+from services.gateway.structured import requested_structure
 from shared.sampling_params import check_prompt_fits, check_token_ids, resolve_max_tokens
 
 
@@ -124,6 +126,9 @@ def router(ctx: GatewayContext) -> APIRouter:
             raise APIError(400, "suffix is not currently supported", "suffix")
         max_model_len = ctx.max_model_len()
         check_sizes(body, ctx.encoder)
+        structure = requested_structure(body)
+        if structure is not None:
+            await ctx.structures.check(structure)
         prompts = await _prompts(ctx, body)
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None and prompt_logprobs is None:
@@ -137,6 +142,7 @@ def router(ctx: GatewayContext) -> APIRouter:
                 max_tokens=max_tokens,
                 logprobs=body.logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured_outputs=structure.params if structure else None,
             )
             for i in range(body.n):
                 index = p * body.n + i

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.gateway.tool_parsers import TOOL_PARSERS
 from shared.cli_args import setting
 from shared.config import DEFAULT_LOG_LEVEL, DEFAULT_SUBJECT_PREFIX, NatsClientConfig
 from shared.default_model import DEFAULT_MODEL_NAME, default_model_dir
@@ -48,6 +49,12 @@ class GatewayConfig(NatsClientConfig):
     limit_concurrency: int = setting(4096, "open connections and requests; past it, 503")
     tokenizer_concurrency: int = setting(2, "long prompts tokenized at once (in threads)")
     model_wait_timeout: float = setting(0.0, "wait this long for the tokenizer files to appear")
+    tool_call_parser: str | None = setting(
+        None,
+        "format of the model's own tool calls, parsed for tool_choice auto: "
+        + ", ".join(TOOL_PARSERS)
+        + " (default: the one its chat template suggests, else hermes)",
+    )
     log_level: str = setting(DEFAULT_LOG_LEVEL, "DEBUG, INFO, WARNING or ERROR")
 
     def __post_init__(self) -> None:
@@ -68,6 +75,9 @@ class GatewayConfig(NatsClientConfig):
             raise ValueError("max_model_len must be >= 1")
         if self.gateway_id is not None and not SUBJECT_TOKEN.fullmatch(self.gateway_id):
             raise ValueError(f"gateway id must be letters, digits, '_' or '-': {self.gateway_id!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            known = ", ".join(TOOL_PARSERS)
+            raise ValueError(f"unknown tool call parser {self.tool_call_parser!r} (known: {known})")
         if not SUBJECT_PREFIX.fullmatch(self.subject_prefix):
             raise ValueError(f"invalid NATS subject prefix: {self.subject_prefix!r}")
 

@@ -152,6 +152,7 @@ async def serve(config: GatewayConfig) -> None:
     )
     server = _DrainingServer(
         uvicorn.Config(
+        tool_call_parser=config.tool_call_parser,
             app,
             host=config.host,
             port=config.port,

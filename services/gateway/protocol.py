@@ -7,7 +7,7 @@ Types are declared here; the ranges of sampling parameters are checked once, by
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -38,7 +38,55 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(_Body):
+JsonSchema = dict[str, Any] | Text  # a schema object, or the same as JSON text
+# vLLM's `guided_decoding_backend` values: accepted, and ignored (the workers use llguidance).
+GuidedDecodingBackend = Literal[
+    "auto", "guidance", "llguidance", "xgrammar", "outlines", "lm-format-enforcer"
+]
+
+
+class JsonSchemaFormat(_Body):
+    name: Text = "response"
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` extra parameter (exactly one constraint)."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    json_: JsonSchema | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None  # refused with a clear message: not supported
+
+
+class StructuredOutputsFields(_Body):
+    """The ways to ask for structured output: OpenAI's `response_format`, vLLM's
+    `structured_outputs` and its older `guided_*` names."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: JsonSchema | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_decoding_backend: GuidedDecodingBackend | None = None
+    guided_whitespace_pattern: Text | None = None  # refused: not supported
+
+
+class SamplingFields(StructuredOutputsFields):
     """Fields shared by completions and chat completions; None means the model's default."""
 
     model: Text | None = None
@@ -82,16 +130,56 @@ class TextPart(_Body):
     text: Text
 
 
+class FunctionCall(_Body):
+    name: Text
+    arguments: Text  # JSON text, as the model produced it
+
+
+class ChatToolCall(_Body):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Text
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ChatToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message answers this call
+
+
+class FunctionDefinition(_Body):
+    name: Text = Field(min_length=1)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -14,6 +14,7 @@ from services.gateway.errors import APIError
 from services.gateway.prompt_encoder import PromptEncoder
 from services.gateway.protocol import SamplingFields
 from shared.sampling_params import SamplingParams, SamplingParamsError, validate_sampling_params
+from shared.structured_outputs import StructuredOutputsParams
 from shared.tokenizer import Tokenizer
 
 _PASS_THROUGH = (
@@ -94,9 +95,11 @@ def build_sampling_params(
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's parameters for all its `n` choices (`SamplingParams.for_choice` splits
-    them into one engine request per choice); raises `SamplingParamsError` when invalid."""
+    them into one engine request per choice); raises `SamplingParamsError` when invalid.
+    `structured_outputs` should be checked already (`StructureChecker`), off the event loop."""
     fields = {name: getattr(req, name) for name in _PASS_THROUGH if getattr(req, name) is not None}
     params = SamplingParams(
         n=req.n,
@@ -110,6 +113,7 @@ def build_sampling_params(
         logit_bias=_logit_bias(req.logit_bias),
         allowed_token_ids=req.allowed_token_ids,
         bad_words_token_ids=_bad_words(req.bad_words, tokenizer),
+        structured_outputs=structured_outputs,
         **fields,
     )
     validate_sampling_params(params, tokenizer.vocab_size)

@@ -85,11 +85,12 @@ async def event_stream(
     ctx: GatewayContext,
     gen: Generation,
     opening: list[Payload],
-    chunk: Callable[[ChoiceUpdate], Payload],
+    chunk: Callable[[ChoiceUpdate], Payload | None],
     final: Callable[[], Payload] | None,
 ) -> AsyncGenerator[str, None]:
     """SSE events: `opening`, then a chunk whenever a choice has new text or finishes (tokens
-    without text yet wait for the next chunk), then `final` (usage), then [DONE]. An engine
+    without text yet wait for the next chunk; `chunk` may return None for text it holds back,
+    such as a tool call not yet known as one), then `final` (usage), then [DONE]. An engine
     failure mid-stream becomes an error event. While no token comes for the context's
     `keepalive_interval`, a `: keepalive` comment goes out (clients ignore it; proxies and
     clients with read timeouts see a live connection)."""
@@ -107,7 +108,9 @@ async def event_stream(
                 if not update.text and update.finish_reason is None:
                     pending[update.index] = update
                     continue
-                yield sse(chunk(update))
+                event = chunk(update)
+                if event is not None:
+                    yield sse(event)
             if final is not None:
                 yield sse(final())
         except APIError as e:
