@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
-import logging
 import os
 import signal
 import types
@@ -151,36 +149,6 @@ def to_argv(config: Any) -> list[str]:
         elif value is not None:
             argv += [flag, str(value)]
     return argv
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line with the service name and, when given, the request id
-    (`log.info("...", extra={"request_id": rid})`)."""
-
-    def __init__(self, service: str) -> None:
-        super().__init__()
-        self.service = service
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "ts": self.formatTime(record),
-            "level": record.levelname,
-            "service": self.service,
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        request_id = getattr(record, "request_id", None)
-        if request_id is not None:
-            entry["request_id"] = request_id
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def setup_logging(level: str, service: str) -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter(service))
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
 async def wait_for_signal() -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.cli_args import setting
+from shared.logs import LOG_FORMATS
+from shared.tracing import traces_url
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_SUBJECT_PREFIX = "skiff"
@@ -171,3 +173,19 @@ class WorkerServiceConfig(NatsClientConfig):
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be > 0")
         _check_positive(self, "scheduler_shards")
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Logs and traces of every service (`shared.logs`, `shared.tracing`)."""
+
+    log_format: str = setting("text", "log lines as text, or json (one object per line)")
+    otlp_traces_endpoint: str = setting(
+        "", "send OpenTelemetry traces to this OTLP/HTTP URL (empty: tracing off; skiff[otel])"
+    )
+
+    def __post_init__(self) -> None:
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
+        if self.otlp_traces_endpoint:
+            traces_url(self.otlp_traces_endpoint)  # raises ValueError on a malformed URL

@@ -29,6 +29,8 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = []
+    # W3C trace context of the scheduler's span of this request on this worker (tracing on)
+    traceparent: str | None = None
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
@@ -124,6 +126,7 @@ class SubmitRequest(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     output_token_ids: list[int] = []
     priority: int = 0
+    traceparent: str | None = None  # W3C trace context of the gateway's span (tracing on)
     version: int = PROTOCOL_VERSION
 
 
