@@ -3,5 +3,5 @@
 Modules: app (create_app), main (run_gateway / CLI), engine_client (NATS link to the
 scheduler), protocol (request bodies), sampling (SamplingParams and model-dependent checks),
 completions / chat / tokenization (routes), generation + choice (running choices), detokenizer,
-stop_strings, logprobs, serving + sse (responses), middleware, metrics, logs, errors, context.
+stop_strings, logprobs, serving + sse (responses), middleware, metrics, errors, context.
 """

@@ -26,6 +26,8 @@ from services.gateway.middleware import (
     BodyLimitMiddleware,
     RequestContextMiddleware,
 )
+from services.gateway.tracing import TracingMiddleware
+from shared import tracing
 from shared.tokenizer import Tokenizer
 
 
@@ -48,9 +50,9 @@ def create_app(
     tokenizer_concurrency: int = GatewayConfig.tokenizer_concurrency,
     keepalive_interval: float = 0.0,
     model_root: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """Build the app. `max_model_len=None` takes the context length from the scheduler's
-    tool_call_parser: str | None = None,
     heartbeat. `keepalive_interval` > 0 sends an SSE comment on streams that wait that long for
     tokens. `tool_call_parser` names the model's tool-call format (None: from its template).
     The shared state is `app.state.gateway` (a `GatewayContext`); set its `draining` to make
@@ -65,9 +67,9 @@ def create_app(
         model_root=model_root,
         tokenizer_concurrency=tokenizer_concurrency,
         keepalive_interval=keepalive_interval,
+        tool_call_parser=tool_call_parser,
     )
     app = FastAPI(
-        tool_call_parser=tool_call_parser,
         title="skiff gateway",
         version=_version(),
         summary="OpenAI-compatible API of skiff (vLLM-compatible)",
@@ -82,6 +84,8 @@ def create_app(
     )
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if tracing.tracer is not None:
+        app.add_middleware(TracingMiddleware)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)  # outermost
     return app
 

@@ -18,6 +18,8 @@ from services.gateway.choice import ChoiceSpec, ChoiceState, ChoiceUpdate
 from services.gateway.engine_client import EngineClient, EngineError, RequestStream
 from services.gateway.errors import APIError
 from services.gateway.metrics import ChoiceTimer, GatewayMetrics
+from services.gateway.tracing import ChoiceSpans
+from shared import tracing
 from shared.protocol import SubmitRequest
 from shared.tokenizer import Tokenizer
 
@@ -50,6 +52,7 @@ class Generation:
         arrival = time.monotonic() if arrival is None else arrival
         self.timers = [ChoiceTimer(metrics, arrival, len(s.prompt_ids)) for s in specs]
         self._streams: list[RequestStream] = []
+        self._spans = ChoiceSpans(tracing.tracer, specs) if tracing.tracer else None
 
     async def start(self, gateway_id: str = "") -> None:
         """Submit all choices; raise APIError (after aborting the accepted ones) on rejection."""
@@ -59,8 +62,9 @@ class Generation:
                 gateway_id=gateway_id,
                 prompt_token_ids=c.spec.prompt_ids,
                 sampling_params=c.spec.params,
+                traceparent=self._spans.traceparent(i) if self._spans else None,
             )
-            for c in self.choices
+            for i, c in enumerate(self.choices)
         ]
         started = time.monotonic()
         try:
@@ -75,6 +79,8 @@ class Generation:
         error = next((r for r in results if isinstance(r, BaseException)), None)
         if error is not None:
             abort_soon(self.engine, [s.req_id for s in streams])
+            if self._spans is not None:
+                self._spans.end(self.choices, type(error).__name__)
             if isinstance(error, EngineError):
                 raise APIError(error.status, error.message)
             raise error
@@ -122,7 +128,10 @@ class Generation:
     ) -> None:
         try:
             async for delta in stream:
-                update = choice.process(delta)
+                if self._spans is None:
+                    update = choice.process(delta)
+                else:
+                    update = self._spans.process(choice, delta)
                 timer.tokens(len(update.token_ids))
                 queue.put_nowait(update)
                 if choice.finished:
@@ -155,6 +164,8 @@ class Generation:
                 timer.finish("abort")
         self.metrics.in_flight.dec()
         self._streams = []
+        if self._spans is not None:
+            self._spans.end(self.choices)
 
     def close(self) -> None:
         """Abort everything if `updates()` never ran (e.g. the client left before it began)."""

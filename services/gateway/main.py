@@ -29,9 +29,11 @@ from services.gateway.config import GatewayConfig
 from services.gateway.context import GatewayContext
 from services.gateway.engine_client import EngineError, NatsEngineClient
 from services.gateway.http_protocol import with_header_timeout
-from services.gateway.logs import configure_logging
+from shared import tracing
 from shared.bus import ConnectOptions
 from shared.cli_args import ConfigParser
+from shared.config import TelemetryConfig
+from shared.logs import setup_logging
 from shared.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 def build_parser() -> ConfigParser:
     parser = ConfigParser(prog="skiff gateway", description="skiff gateway (OpenAI-compatible API)")
     parser.add_config(GatewayConfig)
+    parser.add_config(TelemetryConfig)
     return parser
 
 
@@ -149,10 +152,10 @@ async def serve(config: GatewayConfig) -> None:
         tokenizer_concurrency=config.tokenizer_concurrency,
         keepalive_interval=config.keepalive_interval,
         model_root=str(model_dir),
+        tool_call_parser=config.tool_call_parser,
     )
     server = _DrainingServer(
         uvicorn.Config(
-        tool_call_parser=config.tool_call_parser,
             app,
             host=config.host,
             port=config.port,
@@ -181,14 +184,17 @@ async def serve(config: GatewayConfig) -> None:
         await engine.close()
 
 
-def run_gateway(config: GatewayConfig) -> None:
-    configure_logging(config.log_level)
+def run_gateway(config: GatewayConfig, telemetry: TelemetryConfig | None = None) -> None:
+    telemetry = telemetry or TelemetryConfig()
+    setup_logging(config.log_level, "gateway", telemetry.log_format)
+    tracing.setup_tracing(telemetry.otlp_traces_endpoint, "gateway")
     disable_created_metrics()
     asyncio.run(serve(config))
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_gateway(parse_args(argv))
+    configs = build_parser().parse_configs(argv)[1]
+    run_gateway(configs[GatewayConfig], configs[TelemetryConfig])
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.errors import error_response
-from services.gateway.logs import request_id_var
 from services.gateway.metrics import GatewayMetrics
+from shared.logs import request_id_var
 
 logger = logging.getLogger("services.gateway.access")
 

@@ -16,6 +16,7 @@ from services.gateway.errors import APIError, error_body
 from services.gateway.generation import Generation
 from services.gateway.protocol import MAX_N
 from services.gateway.sse import DONE, KEEPALIVE, run_until_disconnect, sse
+from shared.logs import request_id_var
 
 MAX_CHOICES = MAX_N  # prompts x n per HTTP request
 
@@ -27,8 +28,11 @@ def request_id(request: Request) -> str:
 
 
 def engine_base_id() -> str:
-    """Engine ids are always fresh (choice i is `<base>-<i>`), whatever X-Request-Id says."""
-    return uuid.uuid4().hex
+    """`<request id>-<fresh suffix>` (choice i is `<base>-<i>`): the scheduler's and workers'
+    log lines about the engine requests start with the HTTP request's id, and engine ids are
+    unique whatever X-Request-Id says."""
+    request_id = request_id_var.get()
+    return f"{request_id}-{uuid.uuid4().hex[:12]}" if request_id else uuid.uuid4().hex
 
 
 def check_num_choices(num_prompts: int, n: int) -> None:

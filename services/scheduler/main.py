@@ -10,8 +10,10 @@ import os
 
 from services.scheduler.http_endpoint import HttpEndpoint
 from services.scheduler.service import SchedulerService
-from shared.cli_args import ConfigParser, setup_logging, wait_for_signal
-from shared.config import SchedulerConfig, SchedulerServiceConfig
+from shared import tracing
+from shared.cli_args import ConfigParser, wait_for_signal
+from shared.config import SchedulerConfig, SchedulerServiceConfig, TelemetryConfig
+from shared.logs import setup_logging
 
 log = logging.getLogger("skiff.scheduler")
 
@@ -22,6 +24,7 @@ def build_parser() -> ConfigParser:
     parser = ConfigParser(prog="skiff scheduler", description=__doc__)
     parser.add_config(SchedulerServiceConfig)
     parser.add_config(SchedulerConfig)
+    parser.add_config(TelemetryConfig)
     return parser
 
 
@@ -101,8 +104,11 @@ async def start_service(
 
 
 def main(argv: list[str] | None = None) -> None:
-    config, scheduler_config = parse_args(argv)
-    setup_logging(config.log_level, "scheduler")
+    _, configs = build_parser().parse_configs(argv)
+    config, telemetry = configs[SchedulerServiceConfig], configs[TelemetryConfig]
+    setup_logging(config.log_level, "scheduler", telemetry.log_format)
+    tracing.setup_tracing(telemetry.otlp_traces_endpoint, "scheduler")
+    scheduler_config = configs[SchedulerConfig]
     tune_gc()
     asyncio.run(serve(config, scheduler_config))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -25,9 +26,10 @@ from services.scheduler.probe import HealthProbe
 from services.scheduler.request import FinishReason, Request
 from services.scheduler.scheduler import RequestOutput
 from services.scheduler.telemetry import Telemetry
+from services.scheduler.tracing import RequestTraces
 from services.scheduler.worker_driver import StepDeadline, WorkerDriver
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
-from shared import bus
+from shared import bus, tracing
 from shared.config import SchedulerConfig, SchedulerServiceConfig
 from shared.epochs import new_epoch
 from shared.protocol import (
@@ -63,6 +65,7 @@ class SchedulerService:
         self.gateways = GatewayLiveness()
         self.num_orphans_aborted = 0
         self.telemetry = Telemetry(self.epoch, self.pool, self.placement, self.metrics)
+        self.traces = RequestTraces(tracing.tracer) if tracing.tracer else None
         self.deadline = StepDeadline(config.step_timeout_s, config.step_timeout_per_token_s)
         self.nc: Client  # set by start()
         self.serving = False  # from start() until hand_over() or stop()
@@ -162,10 +165,27 @@ class SchedulerService:
             output_token_ids=sub.output_token_ids,
             priority=sub.priority,
         )
+        started_ns = time.time_ns() if self.traces is not None else 0
         self.placement.place(request)
+        worker = self.placement.worker_of.get(sub.req_id)
+        worker_id = worker.worker_id if worker is not None else None
+        log.info(
+            "request added",
+            extra={"request_id": sub.req_id, "worker_id": worker_id, "gateway_id": sub.gateway_id},
+        )
+        if self.traces is not None:
+            self.traces.added(sub.req_id, sub.traceparent, worker_id, started_ns)
+
+    def _finished(self, req_id: str, reason: str) -> None:
+        """Log (and trace) the end of a request: finished, or aborted."""
+        log.info("request finished: %s", reason, extra={"request_id": req_id})
+        if self.traces is not None:
+            self.traces.finished(req_id, reason)
 
     async def _on_abort(self, msg: AbortRequests) -> None:
         for req_id in msg.req_ids:
+            if req_id in self.router.gateway_of:
+                self._finished(req_id, "abort")
             self.placement.abort(req_id)
             self.router.forget(req_id)
 
@@ -188,6 +208,7 @@ class SchedulerService:
                 len(orphans),
             )
             for req_id in orphans:
+                self._finished(req_id, "abort")
                 self.placement.abort(req_id)
                 self.router.forget(req_id)
             self.num_orphans_aborted += len(orphans)
@@ -214,6 +235,7 @@ class SchedulerService:
             metrics=self.metrics,
             on_outputs=self._on_outputs,
             on_stall=self.liveness.on_stall,
+            traces=self.traces,
         )
         driver.start()
         return driver
@@ -234,6 +256,7 @@ class SchedulerService:
         for out in outputs:
             if out.finish_reason is not None:
                 self.placement.finish(out.req_id)
+                self._finished(out.req_id, out.finish_reason.value)
         await self.router.publish(outputs)  # gauges follow on the monitor's tick, not per step
 
     def _wake(self, worker_id: str) -> None:

@@ -16,6 +16,7 @@ import msgspec
 
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import RequestOutput, plan_has_work
+from services.scheduler.tracing import RequestTraces
 from services.scheduler.worker_pool import WorkerHandle
 from shared.protocol import BatchPlan, ModelRunnerOutput
 
@@ -61,6 +62,7 @@ class WorkerDriver:
         metrics: SchedulerMetrics,
         on_outputs: Callable[[list[RequestOutput]], Awaitable[None]],
         on_stall: Callable[[WorkerHandle], None],
+        traces: RequestTraces | None = None,
     ) -> None:
         self.worker = worker
         self._publish = publish
@@ -70,6 +72,7 @@ class WorkerDriver:
         self._metrics = metrics
         self._on_outputs = on_outputs
         self._on_stall = on_stall
+        self._traces = traces  # None: tracing off
         self._max_in_flight = worker.core.max_plans_in_flight
         self._wakeup = asyncio.Event()
         self._in_flight: deque[StepInFlight] = deque()  # oldest first
@@ -160,6 +163,8 @@ class WorkerDriver:
                 loop.create_future(),
             )
             self._in_flight.append(step)  # before the await: the result may beat it back
+            if self._traces is not None:
+                self._traces.planned(plan, self.worker.worker_id)
             self._plans_in_flight.set(len(self._in_flight))
             self._metrics.plan_bytes.observe(await self._publish(self._plan_subject, plan))
             step.published_at = time.perf_counter()

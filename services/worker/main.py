@@ -14,11 +14,12 @@ from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig, WorkerHt
 from services.worker.health import StepWatch, WorkerProbes
 from services.worker.metrics import WorkerMetrics
 from services.worker.service import Runner, WorkerService
-from shared import bus
-from shared.cli_args import ConfigParser, config_from, setup_logging, wait_for_signal
-from shared.config import WorkerServiceConfig
+from shared import bus, tracing
+from shared.cli_args import ConfigParser, config_from, wait_for_signal
+from shared.config import TelemetryConfig, WorkerServiceConfig
 from shared.default_model import DEFAULT_MODEL_NAME
 from shared.http_probes import ProbeServer, loop_responds
+from shared.logs import setup_logging
 
 log = logging.getLogger("skiff.worker")
 LOOP_TIMEOUT_S = 3.0  # /health fails when the event loop takes longer to run a callback
@@ -39,6 +40,7 @@ def build_parser() -> ConfigParser:
     p.add_config(WorkerHttpConfig)
     p.add_config(RunnerConfig, build=False)
     p.add_config(SimConfig)
+    p.add_config(TelemetryConfig)
     return p
 
 
@@ -50,7 +52,9 @@ async def serve(argv: list[str] | None = None) -> None:
     simulated = args.device == SIM_DEVICE
     if args.count < 1 or (args.count > 1 and not simulated):
         parser.error(f"--count must be 1, or more with --device {SIM_DEVICE}")
-    setup_logging(config.log_level, "worker")
+    telemetry: TelemetryConfig = configs[TelemetryConfig]
+    setup_logging(config.log_level, "worker", telemetry.log_format)
+    tracing.setup_tracing(telemetry.otlp_traces_endpoint, "worker")
 
     model = args.model
     if not config.model_name:

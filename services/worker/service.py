@@ -18,7 +18,8 @@ from services.worker.health import StepWatch
 from services.worker.input_batch import InputBatch
 from services.worker.metrics import WorkerMetrics
 from services.worker.step_timer import StepTimer
-from shared import bus
+from services.worker.tracing import BatchTraces
+from shared import bus, tracing
 from shared.config import WorkerServiceConfig
 from shared.epochs import STALE_EPOCH_SILENCE_S, EpochFollower
 from shared.protocol import BatchPlan, ModelRunnerOutput, WorkerGoodbye, WorkerHello
@@ -97,6 +98,7 @@ class WorkerService:
         if not isinstance(runner, AsyncRunner):
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
         self._plans: asyncio.Queue[BatchPlan] = asyncio.Queue()
+        self._traces = BatchTraces(tracing.tracer, config.worker_id) if tracing.tracer else None
         self._tasks: list[asyncio.Task] = []
 
     def hello(self) -> WorkerHello:
@@ -199,7 +201,13 @@ class WorkerService:
                         self.series.epoch_changes.inc()
                 self.worker_session = plan.worker_session
                 await self._call(self.runner.reset)
+                if self._traces is not None:
+                    self._traces.reset()
             self.adopted = True
+            for new in plan.new_reqs:
+                log.info("request added to batch", extra={"request_id": new.req_id})
+            if self._traces is not None:
+                self._traces.step(plan)
             start = time.perf_counter()
             self.watch.begin()
             try:
@@ -211,10 +219,14 @@ class WorkerService:
                 self.watch.end(time.perf_counter() - start, count=False)
                 self.adopted = False  # until the scheduler adopts the new instance
                 await self._call(self.runner.reset)
+                if self._traces is not None:
+                    self._traces.reset()
                 self._failed_session = plan.worker_session
                 self.instance_id = uuid.uuid4().hex
                 await bus.publish(self.nc, self.subjects.worker_hello, self.hello())
                 continue
+            if self._traces is not None:
+                self._traces.step_done()
             output.worker_id = self.config.worker_id
             output.execute_s = time.perf_counter() - start
             output.idle_s = idle_s
