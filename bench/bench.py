@@ -4,7 +4,10 @@ Peers run side by side in this one process and are reported as ratios, never aga
 number: the machine is shared and noisy. Sections: the offline engine vs transformers static
 batches, single-request decode speed, the HTTP path through a real stack (--no-served skips
 it) and the sampler's cost per step (--no-sampler skips it).
-The last line is `throughput ratio vs transformers: X.XX`.
+Writes bench/results/cpu.json, cpu-throughput.png (output throughput against concurrency: the
+served path at each --served-concurrency, transformers at each static batch size, the offline
+engine with every request at once) and cpu-latency.png (the served path's TTFT and inter-token
+latency CDFs). The last line is `throughput ratio vs transformers: X.XX`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.plots import plot_throughput  # noqa: E402
 from bench.workload import reference_workload, token_prompts  # noqa: E402
 from services.offline import LLM, SamplingParams  # noqa: E402
 
@@ -87,6 +91,11 @@ def main() -> None:
         help="skip the HTTP path through a real stack",
     )
     p.add_argument(
+        "--served-concurrency",
+        default="1,8,32",
+        help="requests in flight on the served path, one run each",
+    )
+    p.add_argument(
         "--no-sampler", dest="sampler", action="store_false", help="skip the sampler section"
     )
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu.json"))
@@ -127,13 +136,23 @@ def main() -> None:
     prompt = token_prompts(llm.tokenizer, [16], seed=3)[0]
     ours_single, hf_single = single_decode(llm, hf, prompt, 128)
 
+    peers = {
+        "skiff LLM.generate (all at once)": {len(prompts): rows[0][1]},
+        "transformers generate (static batches)": hf_rates,
+    }
+    out_dir = Path(args.out).parent
+    out_dir.mkdir(parents=True, exist_ok=True)
     served = None
     if args.served:
-        from bench.served import run_served
+        from bench.served import plot_served, run_served
 
-        served = run_served(model_dir, prompts, outputs)
+        concurrencies = [int(c) for c in args.served_concurrency.split(",")]
+        served, samples = run_served(model_dir, prompts, outputs, concurrencies)
         rows.append(("skiff served (HTTP -> NATS -> worker)", served["tokens_per_s"]))
         served["vs_in_process"] = served["tokens_per_s"] / rows[0][1]
+        plots = plot_served(samples, served, out_dir, "cpu", peers)
+    else:
+        plots = [plot_throughput(peers, out_dir / "cpu-throughput.png", "output throughput")]
 
     sampler_rows = None
     if args.sampler:
@@ -156,7 +175,6 @@ def main() -> None:
     if sampler_rows:
         print("\nsampler per step (batched vs a naive per-request loop, same run):")
         report(sampler_rows)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps(
             {
@@ -168,6 +186,7 @@ def main() -> None:
             indent=2,
         )
     )
+    print("plots: " + ", ".join(str(p) for p in plots))
     print(f"throughput ratio vs transformers: {rows[0][1] / best_hf:.2f}")
 
 

@@ -1,23 +1,38 @@
 """The reference workload end to end: HTTP -> gateway -> NATS -> scheduler -> worker.
 
-All requests are streamed at once; the client records time to first token and the gaps between
-tokens. The scheduler's Prometheus histograms give the per-step breakdown: plan-to-result round
-trip, the worker's own time per step, and the scheduler's CPU time per step.
+    python -m bench.served [--requests 32] [--concurrency 1,4,16,32]
+
+The requests are streamed with at most `concurrency` in flight (all at once by default), once
+per concurrency asked for; the client records time to first token and the gaps between tokens.
+The scheduler's Prometheus histograms give the per-step breakdown of the last (largest) run:
+plan-to-result round trip, the worker's own time per step, and the scheduler's CPU time per
+step. Run alone, it writes bench/results/served.json, served-throughput.png (throughput vs
+concurrency) and served-latency.png (TTFT and inter-token latency CDFs per concurrency).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import json
 import statistics
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import httpx
 
-from services.launcher import Stack, StackConfig, free_port
-from shared.config import SchedulerServiceConfig
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.plots import plot_latency_cdfs, plot_throughput  # noqa: E402
+from bench.workload import reference_workload  # noqa: E402
+from services.launcher import Stack, StackConfig, free_port  # noqa: E402
+from shared.config import SchedulerServiceConfig  # noqa: E402
+
+Samples = dict[int, dict[str, list[float]]]  # concurrency -> {"ttft": [...], "itl": [...]} (s)
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -65,7 +80,30 @@ def _histogram_means(metrics_url: str) -> dict[str, float]:
     return {k: sums[k] / counts[k] for k in sums if counts.get(k)}
 
 
-def run_served(model_dir: str, prompts: list[list[int]], outputs: list[int]) -> dict:
+async def _run_at(
+    client: httpx.AsyncClient, url: str, prompts: list[list[int]], outputs: list[int], limit: int
+) -> tuple[float, list[tuple[float, list[float]]]]:
+    """Every request, at most `limit` in flight; the wall time and each one's stamps."""
+    slots = asyncio.Semaphore(limit)
+
+    async def one(prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+        async with slots:
+            return await _stream(client, url, prompt, max_tokens)
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outputs, strict=True)))
+    return time.perf_counter() - t0, results
+
+
+def run_served(
+    model_dir: str,
+    prompts: list[list[int]],
+    outputs: list[int],
+    concurrencies: list[int] | None = None,
+) -> tuple[dict, Samples]:
+    """The summary (the largest concurrency's at the top level, every one's under
+    `by_concurrency`) and the latency samples of each concurrency."""
+    concurrencies = sorted(concurrencies or [len(prompts)])
     metrics_port = free_port()
     stack = Stack(
         StackConfig(
@@ -77,35 +115,38 @@ def run_served(model_dir: str, prompts: list[list[int]], outputs: list[int]) -> 
         )
     )
     stack.start()
+    runs: dict[int, tuple[float, list[tuple[float, list[float]]]]] = {}
     try:
 
-        async def run():
+        async def run() -> None:
             async with httpx.AsyncClient(
                 timeout=600, limits=httpx.Limits(max_connections=256)
             ) as client:
                 await _stream(client, stack.url, prompts[0], 4)  # warm-up
-                t0 = time.perf_counter()
-                results = await asyncio.gather(
-                    *(
-                        _stream(client, stack.url, p, n)
-                        for p, n in zip(prompts, outputs, strict=True)
-                    )
-                )
-                return time.perf_counter() - t0, results
+                for limit in concurrencies:
+                    runs[limit] = await _run_at(client, stack.url, prompts, outputs, limit)
 
-        elapsed, results = asyncio.run(run())
-        ttft = [stamps[0] - start for start, stamps in results if stamps]
-        itl = [b - a for _, stamps in results for a, b in itertools.pairwise(stamps)]
+        asyncio.run(run())
         steps = _histogram_means(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         stack.stop()
+    samples: Samples = {}
+    by_concurrency = {}
+    for limit, (elapsed, results) in runs.items():
+        ttft = [stamps[0] - start for start, stamps in results if stamps]
+        itl = [b - a for _, stamps in results for a, b in itertools.pairwise(stamps)]
+        samples[limit] = {"ttft": ttft, "itl": itl}
+        by_concurrency[limit] = {
+            "tokens_per_s": sum(outputs) / elapsed,
+            "elapsed_s": elapsed,
+            "ttft_s": _percentiles(ttft),
+            "itl_s": _percentiles(itl),
+        }
     round_trip = steps.get("skiff_step_round_trip_seconds", 0.0)
     execute = steps.get("skiff_worker_execute_seconds", 0.0)
-    return {
-        "tokens_per_s": sum(outputs) / elapsed,
-        "elapsed_s": elapsed,
-        "ttft_s": _percentiles(ttft),
-        "itl_s": _percentiles(itl),
+    summary = {
+        **by_concurrency[concurrencies[-1]],
+        "by_concurrency": by_concurrency,
         "per_step_mean_s": {
             "round_trip (plan published -> result received)": round_trip,
             "worker execute (inputs + forward + sampling)": execute,
@@ -114,3 +155,55 @@ def run_served(model_dir: str, prompts: list[list[int]], outputs: list[int]) -> 
             "plan size (bytes)": steps.get("skiff_plan_bytes", 0.0),
         },
     }
+    return summary, samples
+
+
+def plot_served(
+    samples: Samples,
+    summary: dict,
+    out_dir: Path,
+    stem: str,
+    peers: dict[str, dict[int, float]] | None = None,
+) -> list[Path]:
+    """`<stem>-throughput.png` (skiff served and `peers` vs concurrency) and
+    `<stem>-latency.png` (TTFT and inter-token latency CDFs, one line per concurrency)."""
+    served = {c: r["tokens_per_s"] for c, r in summary["by_concurrency"].items()}
+    series = {"skiff served (HTTP -> NATS -> worker)": served, **(peers or {})}
+    label = "skiff served, {} in flight".format
+    return [
+        plot_throughput(series, out_dir / f"{stem}-throughput.png", "output throughput"),
+        plot_latency_cdfs(
+            {label(c): s["ttft"] for c, s in samples.items()},
+            {label(c): s["itl"] for c, s in samples.items()},
+            out_dir / f"{stem}-latency.png",
+            "skiff served: latency CDFs",
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--concurrency", default="1,4,16,32", help="requests in flight, per run")
+    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+    from services.worker.gguf_convert import ensure_default_model
+    from shared.tokenizer import Tokenizer
+
+    model_dir = ensure_default_model()
+    prompts, outputs = reference_workload(Tokenizer(model_dir), args.requests)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    summary, samples = run_served(str(model_dir), prompts, outputs, concurrencies)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{'in flight':>9} {'output tok/s':>12} {'TTFT p50 ms':>11} {'ITL p50 ms':>10}")
+    for c, r in summary["by_concurrency"].items():
+        ttft, itl = r["ttft_s"].get("p50", 0.0), r["itl_s"].get("p50", 0.0)
+        print(f"{c:>9} {r['tokens_per_s']:>12.1f} {ttft * 1e3:>11.1f} {itl * 1e3:>10.1f}")
+    (out / "served.json").write_text(json.dumps(summary, indent=2))
+    for path in plot_served(samples, summary, out, "served"):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
