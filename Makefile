@@ -35,6 +35,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 bench: $(STAMP)
+	$(BIN)/pip install -q 'matplotlib>=3.8'
 	$(BIN)/python bench/bench.py
 
 bench-scale: $(STAMP)
