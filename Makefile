@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-unit lint bench bench-scale bench-gpu clean
+.PHONY: install serve test test-unit lint bench bench-scale bench-gpu bench-structured clean
 
 $(STAMP): pyproject.toml tests/deploy/install_helm.py tests/observability/install_prometheus.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,9 @@ bench-scale: $(STAMP)
 
 bench-gpu: $(STAMP)
 	$(BIN)/python bench/gpu.py
+
+bench-structured: $(STAMP)
+	$(BIN)/python bench/structured.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -7,7 +7,8 @@ that decodes the token this worker sampled one step earlier) behave as on a GPU.
 token is a hash of (request key, position): the key is the request's seed when it has one (a
 seeded request gives the same tokens anywhere, as with the real sampler), else its id. EOS
 comes with probability `SimConfig.eos_rate` per token, never before `min_tokens` outputs;
-logprobs put the chosen token at rank 1. `step` holds the simulated device for
+logprobs put the chosen token at rank 1; structured outputs are not enforced (its batch has
+no grammar compiler: a hash follows no grammar). `step` holds the simulated device for
 `SimRunner.step_time_s(plan)` on the event loop, so many simulated workers share one thread.
 """
 
