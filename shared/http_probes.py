@@ -65,6 +65,10 @@ class ProbeServer:
         """The WSGI application."""
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
+            # The text format, whatever the Accept header: prometheus_client's OpenMetrics
+            # output escapes the colons of vLLM's names (vllm:x -> vllm_x) for a Prometheus
+            # that does not ask for UTF-8 names, as Prometheus 2 does not.
+            environ = {**environ, "HTTP_ACCEPT": "text/plain; version=0.0.4"}
             return self._metrics(environ, start_response)  # type: ignore[no-any-return]
         check = self._routes.get(path)
         if check is None:

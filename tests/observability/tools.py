@@ -30,8 +30,12 @@ def binary(name: str) -> str:
 def load_generator(relative: str) -> ModuleType:
     """A chart generator (charts/skiff/<relative>) as a module."""
     path = CHART / relative
-    spec = importlib.util.spec_from_file_location(path.parent.name + "_generate", path)
+    name = f"skiff_chart_{path.parent.name}_generate"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
