@@ -109,7 +109,8 @@ def test_workers_answer_their_probes(two_workers):
         assert get(two_workers, index, "/health") == (200, "ok\n")
         status, text = get(two_workers, index, "/metrics")
         assert status == 200 and "skiff_worker_model_load_seconds " in text
-        blocks = re.search(r"^skiff_worker_kv_cache_blocks (\S+)$", text, re.MULTILINE)
+        free = r'^skiff_worker_kv_cache_blocks\{state="free",worker_id="[^"]+"\} (\S+)$'
+        blocks = re.search(free, text, re.MULTILINE)
         assert blocks is not None and float(blocks.group(1)) > 0
         assert get(two_workers, index, "/nope")[0] == 404
 
