@@ -7,6 +7,7 @@ Types are declared here; the ranges of sampling parameters are checked once, by
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -25,7 +26,16 @@ def _require_utf8(value: str) -> str:
     return value
 
 
+def _require_utf8_json(value: dict[str, Any]) -> dict[str, Any]:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("object is not valid UTF-8 (it holds a lone surrogate)") from None
+    return value
+
+
 Text = Annotated[str, AfterValidator(_require_utf8)]
+JsonObject = Annotated[dict[str, Any], AfterValidator(_require_utf8_json)]
 TokenId = int  # checked against the vocabulary by shared.sampling_params
 
 
@@ -38,7 +48,7 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
-JsonSchema = dict[str, Any] | Text  # a schema object, or the same as JSON text
+JsonSchema = JsonObject | Text  # a schema object, or the same as JSON text
 # vLLM's `guided_decoding_backend` values: accepted, and ignored (the workers use llguidance).
 GuidedDecodingBackend = Literal[
     "auto", "guidance", "llguidance", "xgrammar", "outlines", "lm-format-enforcer"
@@ -48,7 +58,7 @@ GuidedDecodingBackend = Literal[
 class JsonSchemaFormat(_Body):
     name: Text = "response"
     description: Text | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: JsonObject | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -152,7 +162,7 @@ class ChatMessage(_Body):
 class FunctionDefinition(_Body):
     name: Text = Field(min_length=1)
     description: Text | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    parameters: JsonObject | None = None  # a JSON schema of the arguments
     strict: bool | None = None
 
 
@@ -203,6 +213,7 @@ class TokenizeChatRequest(_Body):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(_Body):

@@ -23,7 +23,10 @@ def router(ctx: GatewayContext) -> APIRouter:
         ctx.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             text = ctx.render_chat(
-                body.messages, body.add_generation_prompt, body.continue_final_message
+                body.messages,
+                body.add_generation_prompt,
+                body.continue_final_message,
+                body.tools,
             )
             param = "messages"
         else:

@@ -16,6 +16,15 @@ from typing import Any, Protocol
 _WS = " \t\r\n"
 
 
+def _utf8(text: str) -> bool:
+    """Whether `text` encodes (JSON escapes can make lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
@@ -142,6 +151,8 @@ def _call_head(body: str, argument_keys: tuple[str, ...]) -> tuple[str, str, int
                 name = json.loads(body[i:end])
             except json.JSONDecodeError:
                 return _NO, "", 0
+            if not _utf8(name):
+                return _NO, "", 0
             i = end
             continue
         result = literal(i, keys if step == "keys" else (step,))
@@ -240,4 +251,6 @@ class CallScanner:
         arguments = next((call[k] for k in self._keys if k in call), {})
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
+        if not (_utf8(call["name"]) and _utf8(arguments)):
+            return False, []
         return True, [ToolCallDelta(self.index, tool_call_id(), call["name"], arguments)]

@@ -67,7 +67,10 @@ def tool_schema(tools: list[Tool], mode: ToolMode, parallel_tool_calls: bool) ->
     branches = []
     for tool in tools:
         parameters = dict(tool.function.parameters or _EMPTY_PARAMETERS)
-        for key, value in parameters.pop("$defs", {}).items():
+        tool_defs = parameters.pop("$defs", {})
+        if not isinstance(tool_defs, dict):
+            raise APIError(400, f"`$defs` of tool {tool.function.name!r} is not an object", "tools")
+        for key, value in tool_defs.items():
             if defs.setdefault(key, value) != value:
                 raise APIError(
                     400,

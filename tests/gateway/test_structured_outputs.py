@@ -27,8 +27,10 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 async def _post(engine: FakeEngine, tokenizer: Tokenizer, path: str, body: dict, **kwargs):
+    """POST `body` as JSON text (ASCII: a lone surrogate travels as its escape)."""
+    headers = {"content-type": "application/json"}
     async with make_client(engine, tokenizer, **kwargs) as client:
-        return await client.post(path, json=body)
+        return await client.post(path, content=json.dumps(body), headers=headers)
 
 
 def _sent(engine: FakeEngine) -> StructuredOutputsParams | None:
@@ -258,7 +260,27 @@ async def test_auto_with_a_structure(tokenizer):
     assert len(r.json()["choices"][0]["message"]["tool_calls"]) == 2
 
 
+LONE_SURROGATE = {"type": "object", "properties": {"\ud800": {"type": "string"}}}
 TOOL_REFUSALS = [
+    (
+        {
+            "messages": MSG,
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": LONE_SURROGATE}}
+            ],
+        },
+        "tools.0.function.parameters",
+        "lone surrogate",
+    ),
+    (
+        {
+            "messages": MSG,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": 3}}}],
+            "tool_choice": "required",
+        },
+        "tools",
+        "is not an object",
+    ),
     ({"messages": MSG, "tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
     ({"messages": MSG, "tool_choice": NAMED}, "tool_choice", "`tools` must be set"),
     (
@@ -332,3 +354,13 @@ async def test_tools_and_past_calls_reach_the_chat_template(engine):
     assert (
         prompt == "[get_weather][get_time]user:weather?;assistant:get_weatherOslo;tool:sunnycall_1;"
     )
+
+
+@pytest.mark.anyio
+async def test_tokenize_chat_with_tools(engine):
+    tokenizer = Tokenizer(default_model_dir())
+    tokenizer.chat_template = "{% for t in tools %}{{ t.function.name }};{% endfor %}"
+    body = {"messages": MSG, "tools": [WEATHER, TIME], "return_token_strs": True}
+    r = await _post(engine, tokenizer, "/tokenize", body)
+    assert r.status_code == 200, r.text
+    assert "".join(r.json()["token_strs"]) == "get_weather;get_time;"

@@ -48,6 +48,7 @@ NOT_A_CALL = '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>'
 ARGUMENTS_FIRST = '<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather"}</tool_call>'
 ARGUMENTS_AS_TEXT = '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
 UNTERMINATED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+LONE_SURROGATE = '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>'
 PLAIN = "No tools needed: 2 < 3 and <tool> is not a tag.\n"
 
 HERMES_CASES = {
@@ -65,6 +66,7 @@ HERMES_CASES = {
     "arguments as text": (ARGUMENTS_AS_TEXT, None, ["f"]),
     "unterminated": (UNTERMINATED, None, ["get_weather"]),
     "plain": (PLAIN, PLAIN, []),
+    "lone surrogate": (LONE_SURROGATE, LONE_SURROGATE, []),
 }
 
 
