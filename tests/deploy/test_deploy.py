@@ -238,6 +238,7 @@ PROVIDES = {
     "nats-py": {"nats"},
     "prometheus-client": {"prometheus_client"},
     "kubernetes": {"kubernetes"},
+    "llguidance": {"llguidance"},
     "tokenizers": {"tokenizers"},
     "jinja2": {"jinja2", "markupsafe"},
     "uvicorn": {"uvicorn", "h11", "click"},
