@@ -172,6 +172,7 @@ class _ReadyEngine:
 
 class _OneTokenTokenizer:
     vocab_size = 1
+    chat_template = None
 
     def token_bytes(self, i: int) -> bytes:
         return b"a"
