@@ -2,12 +2,18 @@
 
 Peers run side by side in this one process and are reported as ratios, never against a fixed
 number: the machine is shared and noisy. Sections: the offline engine vs transformers static
-batches, single-request decode speed, the HTTP path through a real stack (--no-served skips
-it) and the sampler's cost per step (--no-sampler skips it).
+batches, single-request decode speed, llama.cpp's `llama-server` on the same workload through
+the same client at each --llama-cpp-slots and its `llama-bench` single-stream decode
+(--no-llama-cpp skips it; built once, see bench/llamacpp.py), the HTTP path through a real
+stack (--no-served skips it) and the sampler's cost per step (--no-sampler skips it). The
+machine's fp32 GEMM GFLOP/s and memory bandwidth are measured in the same run.
 Writes bench/results/cpu.json, cpu-throughput.png (output throughput against concurrency: the
 served path at each --served-concurrency, transformers at each static batch size, the offline
-engine with every request at once) and cpu-latency.png (the served path's TTFT and inter-token
-latency CDFs). The last line is `throughput ratio vs transformers: X.XX`.
+engine with every request at once, llama-server at each slot count) and cpu-latency.png (the
+served path's TTFT and inter-token latency CDFs). The last lines are
+`throughput ratio vs llama.cpp: X.XX` (skiff served / llama-server at its best slot count),
+`single-stream ratio vs llama.cpp: X.XX` (skiff single request / llama-bench tg64) and
+`throughput ratio vs transformers: X.XX`.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import llamacpp, roofline  # noqa: E402
 from bench.plots import plot_throughput  # noqa: E402
 from bench.workload import reference_workload, token_prompts  # noqa: E402
 from services.offline import LLM, SamplingParams  # noqa: E402
@@ -98,6 +105,18 @@ def main() -> None:
     p.add_argument(
         "--no-sampler", dest="sampler", action="store_false", help="skip the sampler section"
     )
+    p.add_argument(
+        "--no-llama-cpp",
+        dest="llama_cpp",
+        action="store_false",
+        help="skip llama.cpp (llama-server on the workload, llama-bench single stream)",
+    )
+    p.add_argument(
+        "--llama-cpp-slots",
+        default="8,16,32",
+        help="llama-server slot counts (-np) to try; the best is compared",
+    )
+    p.add_argument("--llama-cpp-version", default=llamacpp.LLAMA_CPP_PYTHON_VERSION)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu.json"))
     args = p.parse_args()
     torch.manual_seed(0)
@@ -106,6 +125,18 @@ def main() -> None:
 
     llm = LLM()
     model_dir = llm.runner.config.model_dir
+    llama, llama_missing = None, "--no-llama-cpp"
+    if args.llama_cpp:  # build/convert first: never while something is being timed
+        try:
+            llama = llamacpp.prepare(Path(model_dir), args.llama_cpp_version)
+        except llamacpp.LlamaCppUnavailable as e:
+            llama_missing = f"cannot be built: {e}"
+            print(f"llama.cpp skipped, {llama_missing}")
+    machine = roofline.measure()
+    print(
+        f"machine: {machine['cpu']}, fp32 GEMM {machine['fp32_gemm_gflops']:.0f} GFLOP/s, "
+        f"copy bandwidth {machine['copy_bandwidth_gbs']:.1f} GB/s"
+    )
     prompts, outputs = reference_workload(llm.tokenizer, args.requests)
     useful = sum(outputs)
     print(
@@ -140,6 +171,27 @@ def main() -> None:
         "skiff LLM.generate (all at once)": {len(prompts): rows[0][1]},
         "transformers generate (static batches)": hf_rates,
     }
+    llama_rates: dict[int, float] = {}
+    llama_single = None
+    if llama:
+        threads = llamacpp.physical_cores()
+        slot_counts = [int(x) for x in args.llama_cpp_slots.split(",")]
+        try:
+            llama_rates = llamacpp.serve_workload(
+                llama, prompts, outputs, slot_counts, threads, Path("/tmp/skiff-bench")
+            )
+        except llamacpp.LlamaCppUnavailable as e:
+            llama_missing = f"failed: {e}"
+            print(f"llama.cpp served skipped, {llama_missing}")
+        try:
+            llama_single = llamacpp.single_stream(llama, threads)
+        except llamacpp.LlamaCppUnavailable as e:
+            llama_missing = f"failed: {e}"
+            print(f"llama.cpp single stream skipped, {llama_missing}")
+    if llama_rates:
+        best_slots = max(llama_rates, key=llama_rates.__getitem__)
+        rows.append((f"llama.cpp llama-server ({best_slots} slots)", llama_rates[best_slots]))
+        peers["llama.cpp llama-server (x = slots, all at once)"] = llama_rates
     out_dir = Path(args.out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     served = None
@@ -169,6 +221,8 @@ def main() -> None:
         f"\nsingle request decode (16-token prompt, 128 new): skiff {ours_single:.1f} tok/s, "
         f"transformers {hf_single:.1f} tok/s, ratio {ours_single / hf_single:.2f}"
     )
+    if llama_single:
+        print(f"single stream decode, llama.cpp llama-bench tg64: {llama_single:.1f} tok/s")
     if served:
         print(f"served / in-process throughput: {served['vs_in_process']:.2f}")
         print(json.dumps(served, indent=2))
@@ -179,14 +233,31 @@ def main() -> None:
         json.dumps(
             {
                 "rows": rows,
-                "single_decode": {"skiff": ours_single, "transformers": hf_single},
+                "single_decode": {
+                    "skiff": ours_single,
+                    "transformers": hf_single,
+                    "llama.cpp tg64": llama_single,
+                },
                 "served": served,
+                "llama_cpp": {
+                    "version": args.llama_cpp_version,
+                    "served_by_slots": llama_rates,
+                    "single_stream_tg64": llama_single,
+                    "missing": None if llama_rates and llama_single else llama_missing,
+                },
+                "machine": machine,
                 "sampler": sampler_rows,
             },
             indent=2,
         )
     )
     print("plots: " + ", ".join(str(p) for p in plots))
+    skiff_served = served["tokens_per_s"] if served else None
+    best_llama = max(llama_rates.values()) if llama_rates else None
+    for line in llamacpp.ratio_lines(
+        skiff_served, best_llama, ours_single, llama_single, llama_missing
+    ):
+        print(line)
     print(f"throughput ratio vs transformers: {rows[0][1] / best_hf:.2f}")
 
 

@@ -43,7 +43,11 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.fmean(values)}
 
 
-async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int):
+async def stream_completion(
+    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
+) -> tuple[float, list[float], int]:
+    """One greedy streamed completion (any OpenAI-compatible server): its start, the time of
+    each chunk that carries a choice, and the completion tokens the server's usage reports."""
     body = {
         "model": "bench",
         "prompt": prompt,
@@ -51,16 +55,22 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_to
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
     stamps: list[float] = []
+    tokens = 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
-            is_data = line.startswith("data: ") and line != "data: [DONE]"
-            if is_data and json.loads(line[6:])["choices"]:
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
                 stamps.append(time.perf_counter())
-    return start, stamps
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return start, stamps, tokens
 
 
 def _histogram_means(metrics_url: str) -> dict[str, float]:
@@ -80,19 +90,25 @@ def _histogram_means(metrics_url: str) -> dict[str, float]:
     return {k: sums[k] / counts[k] for k in sums if counts.get(k)}
 
 
-async def _run_at(
+async def run_at(
     client: httpx.AsyncClient, url: str, prompts: list[list[int]], outputs: list[int], limit: int
-) -> tuple[float, list[tuple[float, list[float]]]]:
-    """Every request, at most `limit` in flight; the wall time and each one's stamps."""
+) -> tuple[float, list[tuple[float, list[float], int]]]:
+    """Every request, at most `limit` in flight; the wall time and each one's stream. Raises
+    if a request did not get exactly the tokens it asked for (throughput compares like with
+    like)."""
     slots = asyncio.Semaphore(limit)
 
-    async def one(prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+    async def one(prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
         async with slots:
-            return await _stream(client, url, prompt, max_tokens)
+            return await stream_completion(client, url, prompt, max_tokens)
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outputs, strict=True)))
-    return time.perf_counter() - t0, results
+    elapsed = time.perf_counter() - t0
+    got = [tokens for _, _, tokens in results]
+    if got != outputs:
+        raise RuntimeError(f"{url}: completion tokens {got} != requested {outputs}")
+    return elapsed, results
 
 
 def run_served(
@@ -115,16 +131,16 @@ def run_served(
         )
     )
     stack.start()
-    runs: dict[int, tuple[float, list[tuple[float, list[float]]]]] = {}
+    runs: dict[int, tuple[float, list[tuple[float, list[float], int]]]] = {}
     try:
 
         async def run() -> None:
             async with httpx.AsyncClient(
                 timeout=600, limits=httpx.Limits(max_connections=256)
             ) as client:
-                await _stream(client, stack.url, prompts[0], 4)  # warm-up
+                await stream_completion(client, stack.url, prompts[0], 4)  # warm-up
                 for limit in concurrencies:
-                    runs[limit] = await _run_at(client, stack.url, prompts, outputs, limit)
+                    runs[limit] = await run_at(client, stack.url, prompts, outputs, limit)
 
         asyncio.run(run())
         steps = _histogram_means(f"http://127.0.0.1:{metrics_port}/metrics")
@@ -133,8 +149,8 @@ def run_served(
     samples: Samples = {}
     by_concurrency = {}
     for limit, (elapsed, results) in runs.items():
-        ttft = [stamps[0] - start for start, stamps in results if stamps]
-        itl = [b - a for _, stamps in results for a, b in itertools.pairwise(stamps)]
+        ttft = [stamps[0] - start for start, stamps, _ in results if stamps]
+        itl = [b - a for _, stamps, _ in results for a, b in itertools.pairwise(stamps)]
         samples[limit] = {"ttft": ttft, "itl": itl}
         by_concurrency[limit] = {
             "tokens_per_s": sum(outputs) / elapsed,

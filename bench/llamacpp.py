@@ -1,0 +1,342 @@
+"""llama.cpp as a peer in `make bench`: build, convert, serve, measure.
+
+`llama-server` and `llama-bench` are built once with cmake from the llama.cpp vendored in the
+`llama-cpp-python` sdist (PyPI) and cached under `<cache>/llama.cpp/<version>/`, next to an F32
+GGUF of our model written by llama.cpp's own `convert_hf_to_gguf.py`. `prepare` raises
+`LlamaCppUnavailable` with the reason when any step fails, so the caller can skip the peer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.default_model import cache_root
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+TARGETS = ("llama-server", "llama-bench")
+
+
+class LlamaCppUnavailable(RuntimeError):
+    """llama.cpp could not be built, converted for or started on this machine."""
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    server: Path
+    bench: Path
+    gguf: Path
+
+
+def cache_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    return cache_root() / "llama.cpp" / version
+
+
+def physical_cores(cpuinfo: str | None = None) -> int:
+    """Distinct (socket, core) pairs in /proc/cpuinfo; the logical CPU count if it has none."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    cores: set[tuple[str, str]] = set()
+    socket = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "physical id":
+            socket = value.strip()
+        elif key.strip() == "core id":
+            cores.add((socket, value.strip()))
+    return len(cores) or os.cpu_count() or 1
+
+
+def download_command(version: str, dest: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-binary",
+        ":all:",
+        "--no-deps",
+        f"llama-cpp-python=={version}",
+        "-d",
+        str(dest),
+    ]
+
+
+def configure_command(source: Path, build: Path) -> list[str]:
+    """Release, native CPU flags, static, no network features, no web UI, no tests."""
+    return [
+        "cmake",
+        "-S",
+        str(source),
+        "-B",
+        str(build),
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+        "-DLLAMA_BUILD_UI=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+    ]
+
+
+def build_command(build: Path, jobs: int = 2) -> list[str]:
+    return [
+        "cmake",
+        "--build",
+        str(build),
+        "--config",
+        "Release",
+        f"-j{jobs}",
+        "--target",
+        *TARGETS,
+    ]
+
+
+def convert_command(source: Path, model_dir: Path, out: Path) -> list[str]:
+    return [
+        sys.executable,
+        str(source / "convert_hf_to_gguf.py"),
+        str(model_dir),
+        "--outtype",
+        "f32",
+        "--outfile",
+        str(out),
+    ]
+
+
+def server_command(
+    llama: LlamaCpp, port: int, slots: int, ctx_per_slot: int, threads: int
+) -> list[str]:
+    """`-c` is split between the slots (`-np`), so each slot holds `ctx_per_slot` tokens."""
+    return [
+        str(llama.server),
+        "-m",
+        str(llama.gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * ctx_per_slot),
+        "--cont-batching",
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+    ]
+
+
+def bench_command(llama: LlamaCpp, threads: int, new_tokens: int = 64) -> list[str]:
+    """Single-stream decode only (tg<new_tokens>), JSON output."""
+    return [
+        str(llama.bench),
+        "-m",
+        str(llama.gguf),
+        "-p",
+        "0",
+        "-n",
+        str(new_tokens),
+        "-t",
+        str(threads),
+        "-o",
+        "json",
+    ]
+
+
+def parse_bench_json(text: str) -> float:
+    """Mean decode tokens/s of the text-generation test in `llama-bench -o json` output."""
+    try:
+        runs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"llama-bench output is not JSON: {e}") from e
+    rates = [
+        float(r["avg_ts"])
+        for r in runs
+        if isinstance(r, dict) and r.get("n_prompt") == 0 and r.get("n_gen", 0) > 0
+    ]
+    if not rates:
+        raise ValueError("llama-bench output has no text-generation (n_prompt 0) result")
+    return rates[0]
+
+
+def ctx_per_slot(prompts: list[list[int]], outputs: list[int], multiple: int = 64) -> int:
+    """The longest request (prompt + output), rounded up to `multiple` tokens."""
+    longest = max(len(p) + n for p, n in zip(prompts, outputs, strict=True))
+    return -(-longest // multiple) * multiple
+
+
+def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    with log.open("ab") as f:
+        f.write(f"$ {' '.join(cmd)}\n".encode())
+        f.flush()
+        try:
+            done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        except OSError as e:
+            raise LlamaCppUnavailable(f"{cmd[0]}: {e}") from e
+    if done.returncode != 0:
+        raise LlamaCppUnavailable(f"`{' '.join(cmd[:4])} ...` failed; log: {log}")
+
+
+def _build(root: Path, version: str, jobs: int) -> Path:
+    """The source tree's llama.cpp directory, with both targets built under root/build/bin."""
+    log = root / "build.log"
+    source = root / "src" / "vendor" / "llama.cpp"
+    if not (source / "CMakeLists.txt").is_file():
+        sdist = root / "sdist"
+        _run(download_command(version, sdist), log)
+        archives = sorted(sdist.glob("llama_cpp_python-*.tar.gz"))
+        if not archives:
+            raise LlamaCppUnavailable(f"no llama-cpp-python sdist in {sdist}")
+        with tarfile.open(archives[0]) as tar:
+            top = tar.getnames()[0].split("/")[0]
+            tar.extractall(root, filter="data")
+        (root / top).rename(root / "src")
+    bins = [root / "build" / "bin" / t for t in TARGETS]
+    if not all(b.is_file() for b in bins):
+        print(f"llama.cpp: building {', '.join(TARGETS)} (once; ~15 min on 2 cores), log {log}")
+        _run(configure_command(source, root / "build"), log)
+        _run(build_command(root / "build", jobs), log)
+    return source
+
+
+def prepare(model_dir: Path, version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2) -> LlamaCpp:
+    """Build the binaries and convert `model_dir` to an F32 GGUF, each only once (cached)."""
+    root = cache_dir(version)
+    root.mkdir(parents=True, exist_ok=True)
+    source = _build(root, version, jobs)
+    gguf = root / f"{Path(model_dir).name}-f32.gguf"
+    if not gguf.is_file():
+        tmp = gguf.with_suffix(".tmp")
+        env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
+        _run(convert_command(source, Path(model_dir), tmp), root / "convert.log", env)
+        tmp.rename(gguf)
+    bin_dir = root / "build" / "bin"
+    return LlamaCpp(server=bin_dir / "llama-server", bench=bin_dir / "llama-bench", gguf=gguf)
+
+
+class LlamaServer:
+    """A running `llama-server` (context manager): started, waited on until /health is ok."""
+
+    def __init__(self, cmd: list[str], port: int, log: Path, timeout_s: float = 120.0) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self._cmd, self._log, self._timeout_s = cmd, log, timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> LlamaServer:
+        self._log.parent.mkdir(parents=True, exist_ok=True)
+        with self._log.open("wb") as f:
+            self._proc = subprocess.Popen(self._cmd, stdout=f, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self._timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise LlamaCppUnavailable(f"llama-server exited early; log: {self._log}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.__exit__()
+        raise LlamaCppUnavailable(f"llama-server not healthy in {self._timeout_s:.0f}s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+def single_stream(llama: LlamaCpp, threads: int, new_tokens: int = 64) -> float:
+    """`llama-bench` tg<new_tokens> decode tokens/s."""
+    cmd = bench_command(llama, threads, new_tokens)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LlamaCppUnavailable(f"llama-bench: {e}") from e
+    if done.returncode != 0:
+        raise LlamaCppUnavailable(f"llama-bench failed: {done.stderr.strip()[-500:]}")
+    try:
+        return parse_bench_json(done.stdout)
+    except ValueError as e:
+        raise LlamaCppUnavailable(str(e)) from e
+
+
+def serve_workload(
+    llama: LlamaCpp,
+    prompts: list[list[int]],
+    outputs: list[int],
+    slot_counts: list[int],
+    threads: int,
+    log_dir: Path,
+) -> dict[int, float]:
+    """Output tokens/s of `llama-server` at each slot count: every request at once, streamed
+    through the same client as skiff's served path, each with exactly its requested tokens."""
+    import asyncio
+
+    import httpx
+
+    from bench.served import run_at, stream_completion
+    from services.launcher import free_port
+
+    per_slot = ctx_per_slot(prompts, outputs)
+    rates: dict[int, float] = {}
+    for slots in slot_counts:
+        port = free_port()
+        cmd = server_command(llama, port, slots, per_slot, threads)
+        with LlamaServer(cmd, port, log_dir / f"llama-server-np{slots}.log") as server:
+
+            async def run(url: str = server.url) -> float:
+                limits = httpx.Limits(max_connections=256)
+                async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+                    await stream_completion(client, url, prompts[0], 4)  # warm-up
+                    elapsed, _ = await run_at(client, url, prompts, outputs, len(prompts))
+                return sum(outputs) / elapsed
+
+            try:
+                rates[slots] = asyncio.run(run())
+            except (httpx.HTTPError, RuntimeError) as e:
+                raise LlamaCppUnavailable(f"llama-server with {slots} slots: {e}") from e
+        print(f"llama.cpp llama-server, {slots} slots: {rates[slots]:.1f} output tok/s")
+    return rates
+
+
+def ratio_lines(
+    served: float | None,
+    llama_served: float | None,
+    single: float,
+    llama_single: float | None,
+    missing: str,
+) -> list[str]:
+    """The two llama.cpp lines `make bench` prints right before its last line: each ratio, or
+    a note saying why it is missing (`missing`, or --no-served for the served ratio)."""
+    lines = []
+    if served and llama_served:
+        lines.append(f"throughput ratio vs llama.cpp: {served / llama_served:.2f}")
+    else:
+        why = "--no-served" if llama_served else missing
+        lines.append(f"throughput ratio vs llama.cpp is missing: {why}")
+    if llama_single:
+        lines.append(f"single-stream ratio vs llama.cpp: {single / llama_single:.2f}")
+    else:
+        lines.append(f"single-stream ratio vs llama.cpp is missing: {missing}")
+    return lines

@@ -1,0 +1,65 @@
+"""The machine's limits, measured in the benchmark's own run: CPU model and the vector/matrix
+extensions that matter to an LLM engine, fp32 GEMM GFLOP/s (torch matmul) and memory
+bandwidth (a large tensor copy, bytes read plus written)."""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+EXTENSIONS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def cpu_summary(cpuinfo: str | None = None) -> dict[str, object]:
+    """Model name and which of EXTENSIONS the CPU flags list (from /proc/cpuinfo)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model, flags = platform.processor(), set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            model = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+    return {"model": model, **{ext: ext in flags for ext in EXTENSIONS}}
+
+
+def _best_seconds(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """fp32 n x n x n matmul throughput, best of `repeats`."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    t = _best_seconds(lambda: torch.matmul(a, b, out=out), repeats)
+    return 2 * n**3 / t / 1e9
+
+
+def copy_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """GB/s of copying a `mib` MiB fp32 tensor (read + write), best of `repeats`."""
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    t = _best_seconds(lambda: dst.copy_(src), repeats)
+    return 2 * src.numel() * 4 / t / 1e9
+
+
+def measure() -> dict[str, object]:
+    return {
+        "cpu": cpu_summary(),
+        "torch_threads": torch.get_num_threads(),
+        "fp32_gemm_gflops": gemm_gflops(),
+        "copy_bandwidth_gbs": copy_bandwidth_gbs(),
+    }
