@@ -35,7 +35,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 bench: $(STAMP)
-	$(BIN)/pip install -q 'matplotlib>=3.8'
+	$(BIN)/pip install -q 'matplotlib>=3.8' sentencepiece  # sentencepiece: llama.cpp's converter
 	$(BIN)/python bench/bench.py
 
 bench-scale: $(STAMP)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-# system -> {concurrency (requests in flight, or a peer's static batch size): output tokens/s}
+# system -> {concurrency (requests in flight, a peer's static batch size or llama-server's slot
+# count): output tokens/s}
 Throughput = Mapping[str, Mapping[int, float]]
 # run (e.g. "skiff served, 8 in flight") -> latency samples in seconds
 Latencies = Mapping[str, Sequence[float]]
@@ -30,7 +31,7 @@ def plot_throughput(series: Throughput, path: Path, title: str) -> Path:
         xs = sorted(points)
         ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrency (requests in flight; static batch size for batch peers)")
+    ax.set_xlabel("concurrency (requests in flight; batch peers: batch size; llama-server: slots)")
     ax.set_ylabel("output tokens/s")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
