@@ -61,8 +61,9 @@ def test_a_dead_gateways_requests_are_aborted_and_a_new_gateway_serves(orphan_st
 
     killed_at = asyncio.run(streams_then_kill())
     while (stats := scheduler_stats(stack))["num_requests"]:
-        # the timeout, one scheduler heartbeat and the gateway's last beat: 5 s is ample
-        assert time.monotonic() - killed_at < GATEWAY_TIMEOUT_S + 5, stats
+        # the timeout, one scheduler heartbeat and the gateway's last beat take ~4.5 s; 10 s of
+        # slack for a loaded machine is still far below the streams' own 30 s (1500 x 20 ms)
+        assert time.monotonic() - killed_at < GATEWAY_TIMEOUT_S + 10, stats
         time.sleep(0.1)
     assert time.monotonic() - killed_at > GATEWAY_TIMEOUT_S - 1.5  # not before the timeout
     assert stats["num_orphans_aborted"] - aborted_before == num_streams

@@ -77,9 +77,13 @@ def prometheus(stack, tmp_path_factory) -> Iterator[Prometheus]:
     prom = Prometheus(f"http://127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + 60
+        targets: list[dict] = []
         while True:
             assert proc.poll() is None, (root / "prometheus.log").read_text()[-3000:]
             try:
+                # 503 "Service Unavailable" until its storage is open
+                if prom.http.get("/-/ready").status_code != 200:
+                    raise httpx.HTTPError("not ready")
                 targets = prom.api("targets")["activeTargets"]
                 if len(targets) == 3 and all(t["health"] == "up" for t in targets):
                     break
