@@ -3,7 +3,8 @@ observability tests.
 
 The binaries come from the distribution's own package, without root: `apt-get download
 prometheus` fetches the .deb through the system's apt sources and `dpkg-deb -x` unpacks it into
-a temporary folder, from which the two binaries are copied. A `prometheus` already on PATH (the
+a temporary folder, from which the two binaries are copied (after an `apt-get update` where
+the machine has no package lists yet). A `prometheus` already on PATH (the
 package installed) is used as it is. Idempotent: binaries already in place are kept.
 
     python tests/observability/install_prometheus.py [--dest DIR]
@@ -33,7 +34,11 @@ def install(dest: Path) -> None:
             "no apt-get/dpkg-deb: install Prometheus (prometheus and promtool on PATH) yourself"
         )
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["apt-get", "download", "prometheus"], cwd=tmp, check=True)
+        download = ["apt-get", "download", "prometheus"]
+        if subprocess.run(download, cwd=tmp).returncode != 0:
+            # a fresh machine has no package lists yet (needs root, as CI has)
+            subprocess.run(["apt-get", "update", "-q"], check=True)
+            subprocess.run(download, cwd=tmp, check=True)
         (deb,) = Path(tmp).glob("prometheus_*.deb")
         root = Path(tmp) / "root"
         subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
