@@ -26,6 +26,7 @@ from shared.subjects import Subjects
 from tests.e2e.stats import scheduler_stats
 from tests.e2e.test_shards import stream_tokens
 from tests.e2e.test_sim_worker import PROMPT, expected_tokens
+from tests.e2e.worker_processes import start_with_worker_processes
 
 SIM = SimConfig(step_base_ms=20.0, per_token_us=1.0, per_req_us=1.0, eos_rate=0.3)
 STEP_TIMEOUT_S = 3.0
@@ -40,7 +41,7 @@ def two_workers(smollm2_dir, tmp_path_factory):
     service = SchedulerServiceConfig(
         step_timeout_s=STEP_TIMEOUT_S, step_timeout_per_token_s=0.001, metrics_port=free_port()
     )
-    stack = Stack(
+    stack = start_with_worker_processes(
         StackConfig(
             model_dir=str(smollm2_dir),
             served_model_name="SmolLM2-135M-Instruct",
@@ -53,22 +54,6 @@ def two_workers(smollm2_dir, tmp_path_factory):
             log_dir=str(logs),
         )
     )
-    try:
-        stack.start_nats()
-        stack.start_scheduler()
-        stack.start_worker(0)
-        stack.start_worker(1)
-        stack.start_gateway()
-        stack.wait_ready(120)
-        deadline = time.monotonic() + 30
-        while len(scheduler_stats(stack)["workers"]) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-    except Exception:
-        for log in sorted(logs.glob("*.log")):
-            print(f"--- {log.name}\n{log.read_text()[-3000:]}")
-        stack.stop()
-        raise
     yield stack
     stack.stop()
 

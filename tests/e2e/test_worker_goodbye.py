@@ -25,9 +25,9 @@ from shared import bus
 from shared.config import SchedulerConfig, SchedulerServiceConfig
 from shared.protocol import SchedulerStats, SchedulerStatsRequest
 from shared.subjects import Subjects
-from tests.e2e.stats import scheduler_stats
 from tests.e2e.test_shards import stream_tokens
 from tests.e2e.test_sim_worker import PROMPT, expected_tokens
+from tests.e2e.worker_processes import start_with_worker_processes
 
 SIM = SimConfig(step_base_ms=20.0, per_token_us=1.0, per_req_us=1.0, eos_rate=0.3)
 WORKER_TIMEOUT_S = 5.0  # the scheduler's heartbeat timeout (its default)
@@ -52,7 +52,7 @@ def free_port_pair() -> int:
 def two_workers(smollm2_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("goodbye-logs")
     service = SchedulerServiceConfig(worker_timeout_s=WORKER_TIMEOUT_S)
-    stack = Stack(
+    stack = start_with_worker_processes(
         StackConfig(
             model_dir=str(smollm2_dir),
             served_model_name="SmolLM2-135M-Instruct",
@@ -67,28 +67,8 @@ def two_workers(smollm2_dir, tmp_path_factory):
             log_dir=str(logs),
         )
     )
-    try:
-        stack.start_nats()
-        stack.start_scheduler()
-        stack.start_worker(0)
-        stack.start_worker(1)
-        stack.start_gateway()
-        stack.wait_ready(120)
-        deadline = time.monotonic() + 30
-        while len(scheduler_stats(stack)["workers"]) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-    except Exception:
-        print_logs(logs)
-        stack.stop()
-        raise
     yield stack
     stack.stop()
-
-
-def print_logs(logs) -> None:
-    for log in sorted(logs.glob("*.log")):
-        print(f"--- {log.name}\n{log.read_text()[-3000:]}")
 
 
 def get(stack: Stack, index: int, path: str) -> tuple[int, str]:
