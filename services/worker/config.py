@@ -30,6 +30,9 @@ class RunnerConfig:
     device: str = setting("cpu", f"torch device: cpu, cuda, cuda:N; {SIM_DEVICE}: simulated")
     dtype: str = setting("float32", f"weights and KV cache: {', '.join(DTYPES)}")
     cuda_graphs: bool = setting(True, "decode steps replay captured graphs (CUDA only)")
+    compile: bool = setting(
+        True, "CPU decode steps run torch.compile'd layers (compiled at startup, cached on disk)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_model_len"):

@@ -88,4 +88,17 @@ def load_model(
         )
     model.load_state_dict(state, assign=True, strict=False)
     model.cos_sin_cache = rotary_cos_sin_cache(config, max_positions).to(device)
+    if device.type == "cpu":
+        gemv_layout(model)
     return model.eval().requires_grad_(False)
+
+
+def gemv_layout(model: torch.nn.Module) -> None:
+    """Store each [out, in] projection (and the embedding, which may be the LM head) as the
+    transpose of a contiguous [in, out] matrix: `F.linear` then runs a plain `x @ W^T` GEMM
+    that streams the weights row by row. On the CPU, batch 1 (GEMV) runs ~1.3x faster this
+    way (bench/results/cpu-step.md); larger batches are no slower."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear | torch.nn.Embedding):
+            transposed = module.weight.detach().t().contiguous().t()
+            module.weight = torch.nn.Parameter(transposed, requires_grad=False)

@@ -1,0 +1,91 @@
+"""The CPU worker's compiled decode path against the eager model: same hidden states and the
+same KV-cache writes, over shuffled (non-contiguous) block tables and mixed context lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.attention import AttentionMetadata
+from services.worker.config import RunnerConfig
+from services.worker.model_runner import ModelRunner
+
+ARCHS = ["llama", "llama3-scaled", "qwen2", "qwen3"]  # plain, tied + head_dim 32, bias, qk norm
+BLOCK_SIZE = 16
+
+
+def decode_meta(block_table: torch.Tensor, seq_lens: list[int]) -> AttentionMetadata:
+    """One query token per request, at the last position of its context."""
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    last = lens.long() - 1
+    rows = torch.arange(len(seq_lens))
+    slots = block_table[rows, last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE
+    return AttentionMetadata(
+        query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        seq_lens=lens,
+        block_table=block_table,
+        slot_mapping=slots,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=[1] * len(seq_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_silent_eager_fallback():
+    """Past dynamo's recompile limit a compiled function would quietly run eagerly."""
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.inference_mode()
+def test_compiled_decode_matches_eager(tiny_models, arch):
+    runner = ModelRunner(
+        RunnerConfig(model_dir=str(tiny_models[arch]), num_blocks=64, max_model_len=256)
+    )
+    assert runner.compiled_decode is not None  # on by default on the CPU
+    with torch._dynamo.config.patch(error_on_recompile=True):  # warm-up compiled every shape
+        for seq_lens in ([1], [37], [100, 5, 16, 17], [1, 2], [200], [33, 33]):
+            check_step(runner, seq_lens)
+
+
+def check_step(runner: ModelRunner, seq_lens: list[int]) -> None:
+    gen = torch.Generator().manual_seed(len(seq_lens) * 1000 + sum(seq_lens))
+    for cache in runner.kv_caches:  # earlier context: random keys and values
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    width = max(-(-n // BLOCK_SIZE) for n in seq_lens)
+    blocks = torch.randperm(64, generator=gen)[: width * len(seq_lens)]
+    block_table = blocks.view(len(seq_lens), width).to(torch.int32)
+    meta = decode_meta(block_table, seq_lens)
+    input_ids = torch.randint(2, 200, (len(seq_lens),), generator=gen)
+    positions = meta.seq_lens.long() - 1
+    before = [c.clone() for c in runner.kv_caches]
+
+    eager = runner.model(input_ids, positions, runner.kv_caches, meta)
+    eager_caches = [c.clone() for c in runner.kv_caches]
+    for cache, saved in zip(runner.kv_caches, before, strict=True):
+        cache.copy_(saved)
+    meta = decode_meta(block_table, seq_lens)
+    compiled = runner.compiled_decode.forward(input_ids, positions, meta)
+
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    for got, want in zip(runner.kv_caches, eager_caches, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_off_runs_eager(tiny_models):
+    config = RunnerConfig(model_dir=str(tiny_models["llama"]), num_blocks=8, compile=False)
+    assert ModelRunner(config).compiled_decode is None
+
+
+def test_weights_are_stored_for_gemv(tiny_models):
+    """Every projection is the transpose of a contiguous [in, out] matrix (see gemv_layout)."""
+    runner = ModelRunner(
+        RunnerConfig(model_dir=str(tiny_models["qwen2"]), num_blocks=8, compile=False)
+    )
+    linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears
+    for module in linears:
+        assert module.weight.t().is_contiguous()
