@@ -116,6 +116,11 @@ def main() -> None:
         default="8,16,32",
         help="llama-server slot counts (-np) to try; the best is compared",
     )
+    p.add_argument(
+        "--llama-cpp-threads",
+        default=str(llamacpp.physical_cores()),
+        help="llama.cpp thread counts (-t) to try (default: physical cores); the best is compared",
+    )
     p.add_argument("--llama-cpp-version", default=llamacpp.LLAMA_CPP_PYTHON_VERSION)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu.json"))
     args = p.parse_args()
@@ -135,7 +140,8 @@ def main() -> None:
     machine = roofline.measure()
     print(
         f"machine: {machine['cpu']}, fp32 GEMM {machine['fp32_gemm_gflops']:.0f} GFLOP/s, "
-        f"copy bandwidth {machine['copy_bandwidth_gbs']:.1f} GB/s"
+        f"copy bandwidth {machine['copy_bandwidth_gbs']:.1f} GB/s, "
+        f"load average {machine['load_average_1m']:.1f}"
     )
     prompts, outputs = reference_workload(llm.tokenizer, args.requests)
     useful = sum(outputs)
@@ -171,10 +177,10 @@ def main() -> None:
         "skiff LLM.generate (all at once)": {len(prompts): rows[0][1]},
         "transformers generate (static batches)": hf_rates,
     }
-    llama_rates: dict[int, float] = {}
-    llama_single = None
+    llama_rates: dict[tuple[int, int], float] = {}
+    llama_singles: dict[int, float] = {}
     if llama:
-        threads = llamacpp.physical_cores()
+        threads = [int(x) for x in args.llama_cpp_threads.split(",")]
         slot_counts = [int(x) for x in args.llama_cpp_slots.split(",")]
         try:
             llama_rates = llamacpp.serve_workload(
@@ -184,14 +190,18 @@ def main() -> None:
             llama_missing = f"failed: {e}"
             print(f"llama.cpp served skipped, {llama_missing}")
         try:
-            llama_single = llamacpp.single_stream(llama, threads)
+            llama_singles = llamacpp.single_stream(llama, threads)
         except llamacpp.LlamaCppUnavailable as e:
             llama_missing = f"failed: {e}"
             print(f"llama.cpp single stream skipped, {llama_missing}")
+    llama_single = max(llama_singles.values(), default=None)
     if llama_rates:
-        best_slots = max(llama_rates, key=llama_rates.__getitem__)
-        rows.append((f"llama.cpp llama-server ({best_slots} slots)", llama_rates[best_slots]))
-        peers["llama.cpp llama-server (x = slots, all at once)"] = llama_rates
+        slots, threads_best = max(llama_rates, key=llama_rates.__getitem__)
+        name = f"llama.cpp llama-server ({slots} slots, {threads_best} threads)"
+        rows.append((name, llama_rates[slots, threads_best]))
+        for t in sorted({t for _, t in llama_rates}):
+            series = {s: r for (s, t2), r in llama_rates.items() if t2 == t}
+            peers[f"llama.cpp llama-server, {t} threads (x = slots, all at once)"] = series
     out_dir = Path(args.out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     served = None
@@ -221,8 +231,8 @@ def main() -> None:
         f"\nsingle request decode (16-token prompt, 128 new): skiff {ours_single:.1f} tok/s, "
         f"transformers {hf_single:.1f} tok/s, ratio {ours_single / hf_single:.2f}"
     )
-    if llama_single:
-        print(f"single stream decode, llama.cpp llama-bench tg64: {llama_single:.1f} tok/s")
+    for t, rate in llama_singles.items():
+        print(f"single stream decode, llama.cpp llama-bench tg64, {t} threads: {rate:.1f} tok/s")
     if served:
         print(f"served / in-process throughput: {served['vs_in_process']:.2f}")
         print(json.dumps(served, indent=2))
@@ -241,8 +251,8 @@ def main() -> None:
                 "served": served,
                 "llama_cpp": {
                     "version": args.llama_cpp_version,
-                    "served_by_slots": llama_rates,
-                    "single_stream_tg64": llama_single,
+                    "served": {f"np {s}, t {t}": r for (s, t), r in llama_rates.items()},
+                    "single_stream_tg64_by_threads": llama_singles,
                     "missing": None if llama_rates and llama_single else llama_missing,
                 },
                 "machine": machine,

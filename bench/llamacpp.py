@@ -8,6 +8,7 @@ GGUF of our model written by llama.cpp's own `convert_hf_to_gguf.py`. `prepare` 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -142,8 +143,8 @@ def server_command(
     ]
 
 
-def bench_command(llama: LlamaCpp, threads: int, new_tokens: int = 64) -> list[str]:
-    """Single-stream decode only (tg<new_tokens>), JSON output."""
+def bench_command(llama: LlamaCpp, threads: list[int], new_tokens: int = 64) -> list[str]:
+    """Single-stream decode only (tg<new_tokens>) at each thread count, JSON output."""
     return [
         str(llama.bench),
         "-m",
@@ -153,26 +154,27 @@ def bench_command(llama: LlamaCpp, threads: int, new_tokens: int = 64) -> list[s
         "-n",
         str(new_tokens),
         "-t",
-        str(threads),
+        ",".join(map(str, threads)),
         "-o",
         "json",
     ]
 
 
-def parse_bench_json(text: str) -> float:
-    """Mean decode tokens/s of the text-generation test in `llama-bench -o json` output."""
+def parse_bench_json(text: str) -> dict[int, float]:
+    """Mean decode tokens/s of each text-generation test in `llama-bench -o json` output, by
+    thread count."""
     try:
         runs = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"llama-bench output is not JSON: {e}") from e
-    rates = [
-        float(r["avg_ts"])
+    rates = {
+        int(r["n_threads"]): float(r["avg_ts"])
         for r in runs
         if isinstance(r, dict) and r.get("n_prompt") == 0 and r.get("n_gen", 0) > 0
-    ]
+    }
     if not rates:
         raise ValueError("llama-bench output has no text-generation (n_prompt 0) result")
-    return rates[0]
+    return rates
 
 
 def ctx_per_slot(prompts: list[list[int]], outputs: list[int], multiple: int = 64) -> int:
@@ -266,8 +268,8 @@ class LlamaServer:
                 self._proc.wait()
 
 
-def single_stream(llama: LlamaCpp, threads: int, new_tokens: int = 64) -> float:
-    """`llama-bench` tg<new_tokens> decode tokens/s."""
+def single_stream(llama: LlamaCpp, threads: list[int], new_tokens: int = 64) -> dict[int, float]:
+    """`llama-bench` tg<new_tokens> decode tokens/s at each thread count."""
     cmd = bench_command(llama, threads, new_tokens)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -286,11 +288,12 @@ def serve_workload(
     prompts: list[list[int]],
     outputs: list[int],
     slot_counts: list[int],
-    threads: int,
+    thread_counts: list[int],
     log_dir: Path,
-) -> dict[int, float]:
-    """Output tokens/s of `llama-server` at each slot count: every request at once, streamed
-    through the same client as skiff's served path, each with exactly its requested tokens."""
+) -> dict[tuple[int, int], float]:
+    """Output tokens/s of `llama-server` at each (slots, threads): every request at once,
+    streamed through the same client as skiff's served path, each with exactly its requested
+    tokens."""
     import asyncio
 
     import httpx
@@ -299,11 +302,12 @@ def serve_workload(
     from services.launcher import free_port
 
     per_slot = ctx_per_slot(prompts, outputs)
-    rates: dict[int, float] = {}
-    for slots in slot_counts:
+    rates: dict[tuple[int, int], float] = {}
+    for slots, threads in itertools.product(slot_counts, thread_counts):
         port = free_port()
         cmd = server_command(llama, port, slots, per_slot, threads)
-        with LlamaServer(cmd, port, log_dir / f"llama-server-np{slots}.log") as server:
+        log = log_dir / f"llama-server-np{slots}-t{threads}.log"
+        with LlamaServer(cmd, port, log) as server:
 
             async def run(url: str = server.url) -> float:
                 limits = httpx.Limits(max_connections=256)
@@ -313,10 +317,10 @@ def serve_workload(
                 return sum(outputs) / elapsed
 
             try:
-                rates[slots] = asyncio.run(run())
+                rate = rates[slots, threads] = asyncio.run(run())
             except (httpx.HTTPError, RuntimeError) as e:
-                raise LlamaCppUnavailable(f"llama-server with {slots} slots: {e}") from e
-        print(f"llama.cpp llama-server, {slots} slots: {rates[slots]:.1f} output tok/s")
+                raise LlamaCppUnavailable(f"llama-server -np {slots} -t {threads}: {e}") from e
+        print(f"llama.cpp llama-server, {slots} slots, {threads} threads: {rate:.1f} output tok/s")
     return rates
 
 

@@ -4,6 +4,7 @@ bandwidth (a large tensor copy, bytes read plus written)."""
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from pathlib import Path
@@ -57,8 +58,10 @@ def copy_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
 
 
 def measure() -> dict[str, object]:
+    """Everything above, plus the 1-minute load average (others' work on a shared machine)."""
     return {
         "cpu": cpu_summary(),
+        "load_average_1m": os.getloadavg()[0],
         "torch_threads": torch.get_num_threads(),
         "fp32_gemm_gflops": gemm_gflops(),
         "copy_bandwidth_gbs": copy_bandwidth_gbs(),

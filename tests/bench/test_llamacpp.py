@@ -20,6 +20,8 @@ BENCH_JSON = json.dumps(
     [
         {"model_type": "llama ?B all F32", "n_threads": 2, "n_prompt": 512, "n_gen": 0,
          "avg_ts": 310.5, "stddev_ts": 4.0},
+        {"model_type": "llama ?B all F32", "n_threads": 1, "n_prompt": 0, "n_gen": 64,
+         "avg_ts": 30.5, "stddev_ts": 0.5, "samples_ts": [30.25, 30.75]},
         {"model_type": "llama ?B all F32", "n_threads": 2, "n_prompt": 0, "n_gen": 64,
          "avg_ts": 49.125, "stddev_ts": 0.5, "samples_ts": [49.0, 49.25]},
     ]
@@ -65,10 +67,10 @@ def test_server_context_holds_every_slots_longest_request():
 
 
 def test_llama_bench_single_stream_command_and_json():
-    cmd = llamacpp.bench_command(LLAMA, threads=2)
+    cmd = llamacpp.bench_command(LLAMA, threads=[1, 2])
     assert cmd[0] == "/c/bin/llama-bench"
-    assert cmd[1:] == ["-m", "/c/m.gguf", "-p", "0", "-n", "64", "-t", "2", "-o", "json"]
-    assert llamacpp.parse_bench_json(BENCH_JSON) == 49.125
+    assert cmd[1:] == ["-m", "/c/m.gguf", "-p", "0", "-n", "64", "-t", "1,2", "-o", "json"]
+    assert llamacpp.parse_bench_json(BENCH_JSON) == {1: 30.5, 2: 49.125}  # the pp512 test left out
 
 
 @pytest.mark.parametrize(
