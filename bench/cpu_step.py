@@ -5,7 +5,8 @@ decode path, `--compile`).
 
     python bench/cpu_step.py [--requests 32] [--single-tokens 64] [--repeats 3]
 
-Prints single-stream decode tok/s (a 32-token prompt, best of `--repeats`, the two engines
+Unless `--no-served`, the workload also goes through a real stack (a compiled CPU worker).
+Prints single-stream decode tok/s (a 32-token prompt, best of `--repeats`, the engines
 interleaved), the reference workload's output tok/s through `LLM.generate`, how long the
 compiled path took to build, and the greedy agreement of each with `before`
 (identical tokens / total).
@@ -51,6 +52,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--single-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--no-served",
+        dest="served",
+        action="store_false",
+        help="skip the workload through a real stack (HTTP, NATS, a compiled CPU worker)",
+    )
     args = p.parse_args()
     engines: dict[str, LLM] = {}
     for name, compile_ in (("before", False), ("layout", False), ("compiled", True)):
@@ -82,6 +89,15 @@ def main() -> None:
             f"({best[name] / best['before']:.2f}x), workload ({args.requests} requests) "
             f"{rates[name]:6.1f} tok/s ({rates[name] / rates['before']:.2f}x), "
             f"greedy agreement with before {same}/{sum(outputs)}"
+        )
+    if args.served:
+        from bench.served import run_served
+
+        model_dir = engines["compiled"].runner.config.model_dir
+        served = run_served(model_dir, prompts, outputs)[0]["tokens_per_s"]
+        print(
+            f"served (all at once, compiled worker): {served:6.1f} tok/s, "
+            f"{served / rates['compiled']:.2f}x of in-process compiled"
         )
 
 

@@ -142,9 +142,12 @@ class CompiledDecode:
         # Without duck sizing, sizes that happen to be equal at compile time (batch 2, width
         # 2, the cache's K/V dim 2) are not assumed equal forever: no recompiles mid-serving.
         torch.fx.experimental._config.use_duck_shape = False
-        self._pre = torch.compile(pre_attention, dynamic=True, fullgraph=True)
-        self._post = torch.compile(post_attention, dynamic=True, fullgraph=True)
-        self._final = torch.compile(final_norm, dynamic=True, fullgraph=True)
+        # Compiled code is cached per function, for every model of the process: a model with
+        # another variant (bias, q/k norm) adds entries. Past the limit dynamo runs eagerly.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self._pre = torch.compile(pre_attention, dynamic=True)
+        self._post = torch.compile(post_attention, dynamic=True)
+        self._final = torch.compile(final_norm, dynamic=True)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
