@@ -12,7 +12,8 @@
 # version tag (ubuntu:24.04 is the release, rebuilt with its updates); to pin its digest as
 # well, pass --build-arg BASE=<image>:<tag>@sha256:<digest>, the digest from
 # `docker buildx imagetools inspect <image>:<tag>`.
-# gcc and the Python headers stay in the image: Triton compiles its launcher at run time.
+# gcc and the Python headers stay in the image: Triton compiles its launcher at run time, and
+# g++ builds the CPU worker's C++ ops (kernels/csrc) once, into the cache volume.
 ARG BASE=nvidia/cuda:12.8.1-base-ubuntu24.04
 
 FROM ${BASE} AS runtime
@@ -21,7 +22,7 @@ ENV DEBIAN_FRONTEND=noninteractive
 # only the current, security-patched version of each; the built image is what gets pinned.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
+    && apt-get install -y --no-install-recommends python3 python3-dev gcc g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 FROM runtime AS build

@@ -9,8 +9,9 @@ Kernel modules are imported on first use, so the CPU path never imports Triton.
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
-from kernels import reference
+from kernels import cpu_ops, reference
 from kernels._checks import interpreting
 
 _triton_on_cpu = False
@@ -27,6 +28,15 @@ def use_triton(t: torch.Tensor) -> bool:
     if t.is_cuda:
         return True
     return _triton_on_cpu and t.device.type == "cpu" and interpreting()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight[out, in]^T + bias -> [..., out]; the C++ kernel on the CPU once
+    `cpu_ops.load()` has succeeded (it falls back to torch itself for shapes it does not
+    cover), `F.linear` elsewhere."""
+    if x.device.type == "cpu" and cpu_ops.active():
+        return torch.ops.skiff_cpu.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(

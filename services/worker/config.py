@@ -31,7 +31,7 @@ class RunnerConfig:
     dtype: str = setting("float32", f"weights and KV cache: {', '.join(DTYPES)}")
     cuda_graphs: bool = setting(True, "decode steps replay captured graphs (CUDA only)")
     compile: bool = setting(
-        True, "CPU decode steps run torch.compile'd layers (compiled at startup, cached on disk)"
+        True, "CPU decode steps run each layer as one C++ op (built once, cached on disk)"
     )
 
     def __post_init__(self) -> None:

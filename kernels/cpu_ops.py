@@ -1,0 +1,83 @@
+"""The CPU worker's C++ ops (`kernels/csrc/`), registered as `torch.ops.skiff_cpu.*`:
+
+- `linear(x, weight, bias)`: fp32 `x @ weight^T + bias` that streams the weight at close to
+  the memory bandwidth (a decode step multiplies a few token rows by every matrix);
+- `decode_layer(...)`: a whole decoder layer of a decode-only step in one call (see
+  `services/worker/cpu_decode.py`).
+
+They are compiled on first use with the machine's C++ compiler (torch's extension builder and
+ninja) into the cache folder, keyed by the sources and the torch version, so later processes
+load them in well under a second. Without a compiler, or without AVX-512, the CPU path keeps
+torch's own ops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from shared.default_model import cache_root
+
+log = logging.getLogger("skiff.kernels.cpu_ops")
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.[ch]*"))
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+_enabled = True
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256(torch.__version__.encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return cache_root() / "cpu-kernels" / digest.hexdigest()[:16]
+
+
+def load() -> bool:
+    """Build (once per sources and torch version) and load the ops; False where they cannot
+    run here (no compiler, no AVX-512)."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _build_and_load() and bool(torch.ops.skiff_cpu.avx512_supported())
+        return _loaded
+
+
+def active() -> bool:
+    """The ops are loaded and in use (`use(False)` routes the CPU back to torch's ops)."""
+    return bool(_loaded) and _enabled
+
+
+def use(enabled: bool) -> None:
+    """Turn the C++ ops on or off for this process (benchmarks compare both)."""
+    global _enabled
+    _enabled = enabled
+
+
+def _build_and_load() -> bool:
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # the `ninja` wheel puts it beside the interpreter
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name="skiff_cpu_ops",
+            sources=[str(s) for s in SOURCES if s.suffix == ".cpp"],
+            build_directory=str(directory),
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
+            is_python_module=False,
+        )
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja, build error
+        log.warning("CPU ops unavailable, using torch's: %s", exc)
+        return False
+    return True

@@ -1,0 +1,139 @@
+// AVX-512 bodies of cpu_kernels.h. Only this file is compiled for AVX-512, and it includes
+// no torch header: no inline torch code built for AVX-512 can end up on a CPU without it.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "cpu_kernels.h"
+
+namespace skiff_cpu {
+
+bool avx512_supported() { return __builtin_cpu_supports("avx512f"); }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
+
+namespace {
+
+constexpr int kTokensPerTile = 4;          // rows of x per register tile
+constexpr int64_t kPrefetchFloats = 1024;  // 4 KiB ahead in each weight row
+
+// y[m, n + r] = dot(x[m, :], w[n + r, :]) for m < M, r < R. Each 16-float slice of R
+// weight rows is loaded once and multiplied into all M rows of x.
+template <int M, int R, bool Prefetch>
+inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) {
+      const float* row = w + (n + r) * K + k;
+      if constexpr (Prefetch)
+        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchFloats), _MM_HINT_T0);
+      wv[r] = _mm512_loadu_ps(row);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) y[m * N + n + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+// All M rows of x against weight rows [n, n + R).
+template <int R, bool Prefetch>
+void weight_block(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+                  int64_t n) {
+  int64_t m = 0;
+  for (; m + kTokensPerTile <= M; m += kTokensPerTile)
+    tile<kTokensPerTile, R, Prefetch>(x + m * K, w, y + m * N, K, N, n);
+  switch (M - m) {
+    case 1: tile<1, R, Prefetch>(x + m * K, w, y + m * N, K, N, n); break;
+    case 2: tile<2, R, Prefetch>(x + m * K, w, y + m * N, K, N, n); break;
+    case 3: tile<3, R, Prefetch>(x + m * K, w, y + m * N, K, N, n); break;
+    default: break;
+  }
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+}  // namespace
+
+void linear_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+                 int64_t n_begin, int64_t n_end) {
+  // A single token row gains nothing from software prefetch (the hardware's suffices).
+  const bool prefetch = M > 1;
+  int64_t n = n_begin;
+  for (; n + kLinearRowBlock <= n_end; n += kLinearRowBlock) {
+    if (prefetch)
+      weight_block<kLinearRowBlock, true>(x, w, y, M, K, N, n);
+    else
+      weight_block<kLinearRowBlock, false>(x, w, y, M, K, N, n);
+  }
+  for (; n < n_end; ++n) weight_block<1, false>(x, w, y, M, K, N, n);
+}
+
+void rms_norm_row(const float* x, const float* weight, float* out, int64_t dim, float eps) {
+  const float inv = 1.0f / std::sqrt(dot(x, x, dim) / static_cast<float>(dim) + eps);
+  for (int64_t i = 0; i < dim; ++i) out[i] = x[i] * inv * weight[i];
+}
+
+void rotate_head(float* head, const float* cos_sin, int64_t rot_dim) {
+  const int64_t half = rot_dim / 2;
+  const float* cos = cos_sin;
+  const float* sin = cos_sin + half;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = head[i], x2 = head[half + i];
+    head[i] = x1 * cos[i] - x2 * sin[i];
+    head[half + i] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
+void attend_head(const float* q, const float* key_cache, const float* value_cache,
+                 const int32_t* block_table, int64_t seq_len, int64_t block_size,
+                 int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, float scale,
+                 float* scores, float* out) {
+  auto head_offset = [&](int64_t t) {
+    const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size +
+                         t % block_size;
+    return (slot * num_kv_heads + kv_head) * head_dim;
+  };
+  float max_score = -INFINITY;
+  for (int64_t t = 0; t < seq_len; ++t) {
+    scores[t] = dot(q, key_cache + head_offset(t), head_dim) * scale;
+    max_score = std::max(max_score, scores[t]);
+  }
+  float total = 0.0f;
+  for (int64_t t = 0; t < seq_len; ++t) {
+    scores[t] = std::exp(scores[t] - max_score);
+    total += scores[t];
+  }
+  std::fill(out, out + head_dim, 0.0f);
+  for (int64_t t = 0; t < seq_len; ++t) {
+    const float p = scores[t] / total;
+    const float* v = value_cache + head_offset(t);
+    for (int64_t d = 0; d < head_dim; ++d) out[d] += p * v[d];
+  }
+}
+
+void silu_and_mul_row(const float* gate_up, float* out, int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) {
+    const float g = gate_up[i];
+    out[i] = g / (1.0f + std::exp(-g)) * gate_up[dim + i];
+  }
+}
+
+#pragma GCC pop_options
+
+}  // namespace skiff_cpu

@@ -1,0 +1,37 @@
+// Raw-pointer fp32 kernels of the CPU worker (avx512_kernels.cpp), called by the ops in
+// cpu_ops.cpp. Every function here needs AVX-512F: call them only when `avx512_supported()`.
+#pragma once
+
+#include <cstdint>
+
+namespace skiff_cpu {
+
+bool avx512_supported();
+
+// y[m, n] = dot(x[m, :], w[n, :]) for m < M and n in [n_begin, n_end), with weight rows in
+// blocks of `kLinearRowBlock` from n_begin (the caller splits N by whole blocks; a ragged end
+// is finished row by row). x [M, K], w [N, K], y [M, N] row-major; K % 16 == 0.
+constexpr int64_t kLinearRowBlock = 4;
+void linear_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+                 int64_t n_begin, int64_t n_end);
+
+// out = rms_norm(x) * weight over `dim` floats (variance in fp32, like the model).
+void rms_norm_row(const float* x, const float* weight, float* out, int64_t dim, float eps);
+
+// Neox rotary in place on one head: the first `rot_dim` dims rotate by cos_sin =
+// [cos (rot_dim / 2), sin (rot_dim / 2)], the rest pass through.
+void rotate_head(float* head, const float* cos_sin, int64_t rot_dim);
+
+// One query head against its request's context in the paged cache:
+// out = softmax(scale * q . K[t]) @ V[t] over t < seq_len, where position t lies in slot
+// block_table[t / block_size] * block_size + t % block_size and head `kv_head` of a slot
+// starts at (slot * num_kv_heads + kv_head) * head_dim. `scores` holds seq_len floats.
+void attend_head(const float* q, const float* key_cache, const float* value_cache,
+                 const int32_t* block_table, int64_t seq_len, int64_t block_size,
+                 int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, float scale,
+                 float* scores, float* out);
+
+// out[i] = silu(gate_up[i]) * gate_up[dim + i] for i < dim.
+void silu_and_mul_row(const float* gate_up, float* out, int64_t dim);
+
+}  // namespace skiff_cpu

@@ -1,0 +1,199 @@
+// The CPU worker's fp32 ops, registered as `skiff_cpu::*` (see kernels/cpu_ops.py):
+//
+// - linear(x, weight, bias): x @ weight^T + bias, streaming the weight (a decode step
+//   multiplies a few token rows by every matrix, so the step is bound by reading weights);
+// - decode_layer(...): one decoder layer of a decode-only step (one query token per
+//   request) in a single call: residual add + RMSNorm, QKV projection (+ bias, q/k norm),
+//   rotary, KV-cache write, paged attention read straight from the cache through the block
+//   table, output projection, residual add + RMSNorm, gate/up projection, SiLU-and-mul, down
+//   projection.
+//
+// Both split work over torch's own OpenMP threads. linear falls back to at::linear where its
+// kernel does not apply; decode_layer checks its inputs and refuses what it does not cover.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+using skiff_cpu::kLinearRowBlock;
+
+constexpr int64_t kTokensPerChunk = 64;  // rows of x kept in cache while the weight streams
+
+// y [M, N] = x [M, K] @ w [N, K]^T, all contiguous fp32, K % 16 == 0.
+void linear_into(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = N / kLinearRowBlock;
+  for (int64_t m = 0; m < M; m += kTokensPerChunk) {
+    const int64_t rows = std::min(kTokensPerChunk, M - m);
+    at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+      skiff_cpu::linear_rows(x + m * K, w, y + m * N, rows, K, N, begin * kLinearRowBlock,
+                             end * kLinearRowBlock);
+    });
+    if (blocks * kLinearRowBlock < N)
+      skiff_cpu::linear_rows(x + m * K, w, y + m * N, rows, K, N, blocks * kLinearRowBlock, N);
+  }
+}
+
+bool is_fp32_cpu(const at::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat;
+}
+
+bool linear_applies(const at::Tensor& x, const at::Tensor& weight) {
+  static const bool supported = skiff_cpu::avx512_supported();
+  return supported && is_fp32_cpu(x) && is_fp32_cpu(weight) && weight.dim() == 2 &&
+         weight.is_contiguous() && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
+         weight.size(1) % 16 == 0 && x.numel() > 0;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias) {
+  if (!linear_applies(x, weight)) return at::linear(x, weight, bias);
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();  // [M, K]
+  at::Tensor y = at::empty({x2.size(0), N}, x.options());  // [M, N]
+  linear_into(x2.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), x2.size(0),
+              K, N);
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  return y.view(out_shape);
+}
+
+// [B, N] = x [B, K] @ weight^T, with the shape checks of decode_layer.
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.size(1) == x.size(1), "decode_layer: a weight does not match its input");
+  TORCH_CHECK(weight.size(1) % 16 == 0, "decode_layer: input dims must be multiples of 16");
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  linear_into(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), x.size(0),
+              x.size(1), weight.size(0));
+  return y;
+}
+
+// x = hidden + residual and out = rms_norm(x) * weight, row by row; -> (out, x).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden,
+                                                const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  at::Tensor x = hidden + residual;  // [B, H]
+  at::Tensor out = at::empty_like(x);
+  const int64_t H = x.size(1);
+  for (int64_t b = 0; b < x.size(0); ++b)
+    skiff_cpu::rms_norm_row(x.data_ptr<float>() + b * H, weight.data_ptr<float>(),
+                            out.data_ptr<float>() + b * H, H, static_cast<float>(eps));
+  return {out, x};
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& hidden,      // [B, H]
+    const at::Tensor& residual,    // [B, H]
+    const at::Tensor& input_norm,  // [H]
+    const at::Tensor& qkv_weight,  // [(heads + 2 kv_heads) * head_dim, H]
+    const std::optional<at::Tensor>& qkv_bias,
+    const std::optional<at::Tensor>& q_norm,  // [head_dim]
+    const std::optional<at::Tensor>& k_norm,  // [head_dim]
+    const at::Tensor& cos_sin,       // [B, rot_dim]: cos/sin cache rows at the positions
+    const at::Tensor& key_cache,     // [num_slots, kv_heads, head_dim]
+    const at::Tensor& value_cache,   // [num_slots, kv_heads, head_dim]
+    const at::Tensor& slot_mapping,  // [B] int64
+    const at::Tensor& block_table,   // [B, max_blocks] int32
+    const at::Tensor& seq_lens,      // [B] int32, the new token included
+    const at::Tensor& o_weight,      // [H, heads * head_dim]
+    const at::Tensor& post_norm,     // [H]
+    const at::Tensor& gate_up_weight,  // [2 I, H]
+    const at::Tensor& down_weight,     // [H, I]
+    double eps, double scale, int64_t num_heads, int64_t block_size) {
+  TORCH_CHECK(skiff_cpu::avx512_supported(), "decode_layer needs AVX-512");
+  for (const at::Tensor* t : {&hidden, &residual, &input_norm, &qkv_weight, &cos_sin,
+                              &key_cache, &value_cache, &o_weight, &post_norm,
+                              &gate_up_weight, &down_weight}) {
+    TORCH_CHECK(is_fp32_cpu(*t) && t->is_contiguous(),
+                "decode_layer takes contiguous fp32 CPU tensors");
+  }
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && block_table.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt && block_table.is_contiguous(),
+              "decode_layer: int64 slot_mapping, contiguous int32 block_table and seq_lens");
+  const int64_t batch = hidden.size(0);
+  const int64_t num_kv_heads = key_cache.size(1), head_dim = key_cache.size(2);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t rot_dim = cos_sin.size(1);
+  TORCH_CHECK(qkv_weight.size(0) == q_size + 2 * kv_size && rot_dim <= head_dim,
+              "decode_layer: QKV weight or rotary size does not match the heads");
+
+  // Residual add, RMSNorm, QKV projection.
+  auto [normed, x] = add_rms_norm(hidden, residual, input_norm, eps);
+  at::Tensor qkv = project(normed, qkv_weight);  // [B, q + 2 kv]
+  if (qkv_bias.has_value() && qkv_bias->defined()) qkv.add_(*qkv_bias);
+
+  // Per-head q/k norm and rotary; the new keys and values into the cache.
+  float* qkv_p = qkv.data_ptr<float>();
+  const int64_t row = q_size + 2 * kv_size;
+  const bool qk_norm = q_norm.has_value() && q_norm->defined();
+  const auto* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const float* cs = cos_sin.data_ptr<float>() + b * rot_dim;
+    for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+      float* head = qkv_p + b * row + h * head_dim;
+      if (qk_norm) {
+        const at::Tensor& w = h < num_heads ? *q_norm : *k_norm;
+        skiff_cpu::rms_norm_row(head, w.data_ptr<float>(), head, head_dim,
+                                static_cast<float>(eps));
+      }
+      skiff_cpu::rotate_head(head, cs, rot_dim);
+    }
+    const int64_t dst = slots[b] * kv_size;
+    std::copy_n(qkv_p + b * row + q_size, kv_size, key_cache.data_ptr<float>() + dst);
+    std::copy_n(qkv_p + b * row + q_size + kv_size, kv_size, value_cache.data_ptr<float>() + dst);
+  }
+
+  // Paged attention, one task per (request, query head).
+  at::Tensor attn = at::empty({batch, q_size}, hidden.options());  // [B, heads * head_dim]
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t width = block_table.size(1);
+  const auto* lens = seq_lens.data_ptr<int32_t>();
+  at::parallel_for(0, batch * num_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / num_heads, h = i % num_heads;
+      scores.resize(lens[b]);
+      skiff_cpu::attend_head(qkv_p + b * row + h * head_dim, key_cache.data_ptr<float>(),
+                             value_cache.data_ptr<float>(),
+                             block_table.data_ptr<int32_t>() + b * width, lens[b], block_size,
+                             num_kv_heads, h / group, head_dim, static_cast<float>(scale),
+                             scores.data(), attn.data_ptr<float>() + b * q_size + h * head_dim);
+    }
+  });
+
+  // Output projection, residual add, RMSNorm, MLP.
+  at::Tensor attn_out = project(attn, o_weight);  // [B, H]
+  auto [normed2, x2] = add_rms_norm(attn_out, x, post_norm, eps);
+  at::Tensor gate_up = project(normed2, gate_up_weight);  // [B, 2 I]
+  const int64_t inter = gate_up.size(1) / 2;
+  at::Tensor act = at::empty({batch, inter}, hidden.options());  // [B, I]
+  for (int64_t b = 0; b < batch; ++b)
+    skiff_cpu::silu_and_mul_row(gate_up.data_ptr<float>() + b * 2 * inter,
+                                act.data_ptr<float>() + b * inter, inter);
+  return {project(act, down_weight), x2};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(skiff_cpu, m) {
+  m.def("avx512_supported() -> bool", [] { return skiff_cpu::avx512_supported(); });
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def(
+      "decode_layer(Tensor hidden, Tensor residual, Tensor input_norm, Tensor qkv_weight, "
+      "Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, Tensor cos_sin, "
+      "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor block_table, "
+      "Tensor seq_lens, Tensor o_weight, Tensor post_norm, Tensor gate_up_weight, "
+      "Tensor down_weight, float eps, float scale, int num_heads, int block_size) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(skiff_cpu, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("decode_layer", &decode_layer);
+}

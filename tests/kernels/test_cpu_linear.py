@@ -1,0 +1,71 @@
+"""`skiff_cpu::linear` (kernels/csrc/cpu_ops.cpp) against a float64 reference: every tile
+remainder, chunk boundary and weight-row tail, bias, non-contiguous inputs and the shapes it
+hands back to torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from kernels import cpu_ops, ops
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    assert cpu_ops.load(), "the C++ CPU linear kernel must build on x86-64 with g++"
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return out.float()
+
+
+# N: multiples of the 4-row block, and tails of 1-3 rows; K: multiples of 16.
+SHAPES = [(8, 16), (13, 48), (130, 64), (962, 576)]  # (out_features, in_features)
+
+
+# M: 1 (no prefetch), 2-7 (tile remainders), 63/64/65/130 (64-row chunks).
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 7, 63, 64, 65, 130])
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_reference(num_tokens, out_features, in_features, with_bias):
+    gen = torch.Generator().manual_seed(num_tokens * 7919 + out_features)
+    x = torch.randn(num_tokens, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    got = torch.ops.skiff_cpu.linear(x, weight, bias)
+    assert got.shape == (num_tokens, out_features)
+    torch.testing.assert_close(got, reference(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_leading_dims_and_non_contiguous_input():
+    x = torch.randn(64, 3, 5).transpose(0, 2)  # [5, 3, 64], not contiguous
+    weight = torch.randn(20, 64)
+    got = torch.ops.skiff_cpu.linear(x, weight)
+    assert got.shape == (5, 3, 20)
+    torch.testing.assert_close(got, reference(x, weight, None), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("x", "weight"),
+    [
+        (torch.randn(3, 40), torch.randn(8, 40)),  # K not a multiple of 16
+        (torch.randn(3, 32, dtype=torch.float64), torch.randn(8, 32, dtype=torch.float64)),
+        (torch.randn(3, 32), torch.randn(32, 8).t()),  # a transposed (non-contiguous) weight
+        (torch.randn(0, 32), torch.randn(8, 32)),  # no tokens
+    ],
+)
+def test_shapes_it_does_not_cover_fall_back_to_torch(x, weight):
+    got = torch.ops.skiff_cpu.linear(x, weight)
+    torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_ops_linear_routes_cpu_tensors_to_the_kernel():
+    x, weight = torch.randn(2, 32), torch.randn(8, 32)
+    with torch.profiler.profile() as prof:
+        ops.linear(x, weight)
+    assert "skiff_cpu::linear" in {event.name for event in prof.events()}
+
