@@ -68,4 +68,3 @@ def test_ops_linear_routes_cpu_tensors_to_the_kernel():
     with torch.profiler.profile() as prof:
         ops.linear(x, weight)
     assert "skiff_cpu::linear" in {event.name for event in prof.events()}
-
