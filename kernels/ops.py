@@ -30,12 +30,17 @@ def use_triton(t: torch.Tensor) -> bool:
     return _triton_on_cpu and t.device.type == "cpu" and interpreting()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight[out, in]^T + bias -> [..., out]; the C++ kernel on the CPU once
-    `cpu_ops.load()` has succeeded (it falls back to torch itself for shapes it does not
-    cover), `F.linear` elsewhere."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., in] @ weight[out, in]^T + bias -> [..., out]. On the CPU, once `cpu_ops.load()`
+    has succeeded, the C++ kernel (fp32, bf16, or int8 weights with `weight_scale` [out]; it
+    hands shapes it does not cover back to torch); `F.linear` elsewhere."""
     if x.device.type == "cpu" and cpu_ops.active():
-        return torch.ops.skiff_cpu.linear(x, weight, bias)
+        return torch.ops.skiff_cpu.linear(x, weight, bias, weight_scale)
     return F.linear(x, weight, bias)
 
 

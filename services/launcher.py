@@ -86,6 +86,9 @@ class StackConfig:
         f"device of every worker; {SIM_DEVICE}: simulated workers, all in one process",
     )
     kv_cache_gib: float = setting(RunnerConfig.kv_cache_gib, "KV cache of each worker, GiB")
+    cpu_weights: str = setting(
+        RunnerConfig.cpu_weights, "CPU workers' projection weights: fp32 (exact), bf16, int8"
+    )
     scheduler_shards: int = setting(
         1, "scheduler processes; shard i owns workers i, i+N, ... (see docs/architecture.md)"
     )
@@ -256,6 +259,7 @@ class Stack:
             max_num_seqs=c.scheduler.max_num_seqs,
             max_model_len=c.scheduler.max_model_len,
             device=c.worker_device,
+            cpu_weights=c.cpu_weights,
         )
         http = WorkerHttpConfig(http_port=c.worker_http_port + index if c.worker_http_port else 0)
         return ["--model", c.model_dir, *to_argv(service), *to_argv(runner), *to_argv(http)]

@@ -16,23 +16,38 @@ bool avx512_supported() { return __builtin_cpu_supports("avx512f"); }
 
 namespace {
 
-constexpr int kTokensPerTile = 4;          // rows of x per register tile
-constexpr int64_t kPrefetchFloats = 1024;  // 4 KiB ahead in each weight row
+constexpr int kTokensPerTile = 4;         // rows of x per register tile
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead in each weight row
 
-// y[m, n + r] = dot(x[m, :], w[n + r, :]) for m < M, r < R. Each 16-float slice of R
-// weight rows is loaded once and multiplied into all M rows of x.
-template <int M, int R, bool Prefetch>
-inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n) {
+// Weights k..k+15 of a row as fp32 (`scale`: the row's int8 group scales).
+inline __m512 load16(const float* row, int64_t k, const float*) {
+  return _mm512_loadu_ps(row + k);
+}
+inline __m512 load16(const uint16_t* row, int64_t k, const float*) {  // bf16: fp32's top half
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline __m512 load16(const int8_t* row, int64_t k, const float* scale) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
+                       _mm512_set1_ps(scale[k / kInt8Group]));
+}
+
+// y[m, n + r] = dot(x[m, :], w[n + r, :]) for m < M, r < R. Each 16-weight slice of R weight
+// rows is loaded (and dequantized) once and multiplied into all M rows of x.
+template <int M, int R, bool Prefetch, typename T>
+inline void tile(const float* x, const T* w, const float* scale, float* y, int64_t K, int64_t N,
+                 int64_t n) {
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
     __m512 wv[R];
     for (int r = 0; r < R; ++r) {
-      const float* row = w + (n + r) * K + k;
+      const T* row = w + (n + r) * K;
       if constexpr (Prefetch)
-        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchFloats), _MM_HINT_T0);
-      wv[r] = _mm512_loadu_ps(row);
+        _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
+      wv[r] = load16(row, k, scale + (n + r) * (K / kInt8Group));
     }
     for (int m = 0; m < M; ++m) {
       const __m512 xv = _mm512_loadu_ps(x + m * K + k);
@@ -44,18 +59,33 @@ inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N,
 }
 
 // All M rows of x against weight rows [n, n + R).
-template <int R, bool Prefetch>
-void weight_block(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
-                  int64_t n) {
+template <int R, bool Prefetch, typename T>
+void weight_block(const float* x, const T* w, const float* scale, float* y, int64_t M,
+                  int64_t K, int64_t N, int64_t n) {
   int64_t m = 0;
   for (; m + kTokensPerTile <= M; m += kTokensPerTile)
-    tile<kTokensPerTile, R, Prefetch>(x + m * K, w, y + m * N, K, N, n);
+    tile<kTokensPerTile, R, Prefetch>(x + m * K, w, scale, y + m * N, K, N, n);
   switch (M - m) {
-    case 1: tile<1, R, Prefetch>(x + m * K, w, y + m * N, K, N, n); break;
-    case 2: tile<2, R, Prefetch>(x + m * K, w, y + m * N, K, N, n); break;
-    case 3: tile<3, R, Prefetch>(x + m * K, w, y + m * N, K, N, n); break;
+    case 1: tile<1, R, Prefetch>(x + m * K, w, scale, y + m * N, K, N, n); break;
+    case 2: tile<2, R, Prefetch>(x + m * K, w, scale, y + m * N, K, N, n); break;
+    case 3: tile<3, R, Prefetch>(x + m * K, w, scale, y + m * N, K, N, n); break;
     default: break;
   }
+}
+
+template <typename T>
+void rows_of(const float* x, const T* w, const float* scale, float* y, int64_t M, int64_t K,
+             int64_t N, int64_t n_begin, int64_t n_end) {
+  // A single token row gains nothing from software prefetch (the hardware's suffices).
+  const bool prefetch = M > 1;
+  int64_t n = n_begin;
+  for (; n + kLinearRowBlock <= n_end; n += kLinearRowBlock) {
+    if (prefetch)
+      weight_block<kLinearRowBlock, true>(x, w, scale, y, M, K, N, n);
+    else
+      weight_block<kLinearRowBlock, false>(x, w, scale, y, M, K, N, n);
+  }
+  for (; n < n_end; ++n) weight_block<1, false>(x, w, scale, y, M, K, N, n);
 }
 
 float dot(const float* a, const float* b, int64_t n) {
@@ -70,18 +100,19 @@ float dot(const float* a, const float* b, int64_t n) {
 
 }  // namespace
 
-void linear_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
-                 int64_t n_begin, int64_t n_end) {
-  // A single token row gains nothing from software prefetch (the hardware's suffices).
-  const bool prefetch = M > 1;
-  int64_t n = n_begin;
-  for (; n + kLinearRowBlock <= n_end; n += kLinearRowBlock) {
-    if (prefetch)
-      weight_block<kLinearRowBlock, true>(x, w, y, M, K, N, n);
-    else
-      weight_block<kLinearRowBlock, false>(x, w, y, M, K, N, n);
+void linear_rows(const float* x, const void* w, WeightFormat format, const float* scale,
+                 float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  switch (format) {
+    case WeightFormat::kFloat32:
+      rows_of(x, static_cast<const float*>(w), nullptr, y, M, K, N, n_begin, n_end);
+      break;
+    case WeightFormat::kBFloat16:
+      rows_of(x, static_cast<const uint16_t*>(w), nullptr, y, M, K, N, n_begin, n_end);
+      break;
+    case WeightFormat::kInt8:
+      rows_of(x, static_cast<const int8_t*>(w), scale, y, M, K, N, n_begin, n_end);
+      break;
   }
-  for (; n < n_end; ++n) weight_block<1, false>(x, w, y, M, K, N, n);
 }
 
 void rms_norm_row(const float* x, const float* weight, float* out, int64_t dim, float eps) {

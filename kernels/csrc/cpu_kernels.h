@@ -8,12 +8,19 @@ namespace skiff_cpu {
 
 bool avx512_supported();
 
-// y[m, n] = dot(x[m, :], w[n, :]) for m < M and n in [n_begin, n_end), with weight rows in
-// blocks of `kLinearRowBlock` from n_begin (the caller splits N by whole blocks; a ragged end
-// is finished row by row). x [M, K], w [N, K], y [M, N] row-major; K % 16 == 0.
+// How a weight matrix [N, K] is stored: fp32; bf16 (the upper half of an fp32); int8 with an
+// fp32 scale per group of kInt8Group consecutive weights of a row (scale [N, K / kInt8Group],
+// weight = int8 * scale). Products and sums are fp32 in all three.
+enum class WeightFormat { kFloat32, kBFloat16, kInt8 };
+constexpr int64_t kInt8Group = 32;
+
+// y[m, n] = dot(x[m, :], w[n, :]) (w dequantized for int8) for m < M and n in
+// [n_begin, n_end), with weight rows in blocks of `kLinearRowBlock` from n_begin (the caller
+// splits N by whole blocks; a ragged end is finished row by row). x [M, K], w [N, K],
+// y [M, N] row-major; K % 16 == 0 (% kInt8Group for int8).
 constexpr int64_t kLinearRowBlock = 4;
-void linear_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
-                 int64_t n_begin, int64_t n_end);
+void linear_rows(const float* x, const void* w, WeightFormat format, const float* scale,
+                 float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end);
 
 // out = rms_norm(x) * weight over `dim` floats (variance in fp32, like the model).
 void rms_norm_row(const float* x, const float* weight, float* out, int64_t dim, float eps);

@@ -1,7 +1,8 @@
 // The CPU worker's fp32 ops, registered as `skiff_cpu::*` (see kernels/cpu_ops.py):
 //
-// - linear(x, weight, bias): x @ weight^T + bias, streaming the weight (a decode step
-//   multiplies a few token rows by every matrix, so the step is bound by reading weights);
+// - linear(x, weight, bias, weight_scale): x @ weight^T + bias, streaming the weight (a
+//   decode step multiplies a few token rows by every matrix, so the step is bound by reading
+//   weights); the weight is fp32, bf16, or int8 with fp32 scales per group of 32 weights;
 // - decode_layer(...): one decoder layer of a decode-only step (one query token per
 //   request) in a single call: residual add + RMSNorm, QKV projection (+ bias, q/k norm),
 //   rotary, KV-cache write, paged attention read straight from the cache through the block
@@ -22,55 +23,98 @@
 namespace {
 
 using skiff_cpu::kLinearRowBlock;
+using skiff_cpu::WeightFormat;
 
 constexpr int64_t kTokensPerChunk = 64;  // rows of x kept in cache while the weight streams
-
-// y [M, N] = x [M, K] @ w [N, K]^T, all contiguous fp32, K % 16 == 0.
-void linear_into(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t blocks = N / kLinearRowBlock;
-  for (int64_t m = 0; m < M; m += kTokensPerChunk) {
-    const int64_t rows = std::min(kTokensPerChunk, M - m);
-    at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
-      skiff_cpu::linear_rows(x + m * K, w, y + m * N, rows, K, N, begin * kLinearRowBlock,
-                             end * kLinearRowBlock);
-    });
-    if (blocks * kLinearRowBlock < N)
-      skiff_cpu::linear_rows(x + m * K, w, y + m * N, rows, K, N, blocks * kLinearRowBlock, N);
-  }
-}
 
 bool is_fp32_cpu(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat;
 }
 
-bool linear_applies(const at::Tensor& x, const at::Tensor& weight) {
-  static const bool supported = skiff_cpu::avx512_supported();
-  return supported && is_fp32_cpu(x) && is_fp32_cpu(weight) && weight.dim() == 2 &&
-         weight.is_contiguous() && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
-         weight.size(1) % 16 == 0 && x.numel() > 0;
+// A [N, K] weight matrix as the kernels read it; nullopt where they cannot.
+struct Weight {
+  const void* data;
+  WeightFormat format;
+  const float* scale;  // [N, K / kInt8Group], int8 only
+};
+
+std::optional<Weight> as_weight(const at::Tensor& w, const std::optional<at::Tensor>& scale) {
+  if (!w.device().is_cpu() || w.dim() != 2 || !w.is_contiguous() || w.size(1) % 16 != 0)
+    return std::nullopt;
+  const bool has_scale = scale.has_value() && scale->defined();
+  switch (w.scalar_type()) {
+    case at::kFloat:
+      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kFloat32, nullptr};
+      break;
+    case at::kBFloat16:
+      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kBFloat16, nullptr};
+      break;
+    case at::kChar:
+      if (has_scale && is_fp32_cpu(*scale) && scale->is_contiguous() && scale->dim() == 2 &&
+          w.size(1) % skiff_cpu::kInt8Group == 0 && scale->size(0) == w.size(0) &&
+          scale->size(1) == w.size(1) / skiff_cpu::kInt8Group)
+        return Weight{w.data_ptr(), WeightFormat::kInt8, scale->data_ptr<float>()};
+      break;
+    default:
+      break;
+  }
+  return std::nullopt;
+}
+
+// The weight in fp32 (int8 times its group scales), for what the kernels do not cover.
+at::Tensor dequantized(const at::Tensor& w, const std::optional<at::Tensor>& scale) {
+  at::Tensor out = w.to(at::kFloat);
+  if (!scale.has_value() || !scale->defined()) return out;
+  const at::Tensor groups = out.view({w.size(0), -1, skiff_cpu::kInt8Group});
+  return (groups * scale->unsqueeze(2)).view_as(w);
+}
+
+// y [M, N] = x [M, K] @ w [N, K]^T; x and y contiguous fp32.
+void linear_into(const float* x, const Weight& w, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = N / kLinearRowBlock;
+  for (int64_t m = 0; m < M; m += kTokensPerChunk) {
+    const int64_t rows = std::min(kTokensPerChunk, M - m);
+    at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+      skiff_cpu::linear_rows(x + m * K, w.data, w.format, w.scale, y + m * N, rows, K, N,
+                             begin * kLinearRowBlock, end * kLinearRowBlock);
+    });
+    if (blocks * kLinearRowBlock < N)
+      skiff_cpu::linear_rows(x + m * K, w.data, w.format, w.scale, y + m * N, rows, K, N,
+                             blocks * kLinearRowBlock, N);
+  }
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias) {
-  if (!linear_applies(x, weight)) return at::linear(x, weight, bias);
+                  const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& weight_scale) {
+  static const bool supported = skiff_cpu::avx512_supported();
+  const auto w = as_weight(weight, weight_scale);
+  if (!supported || !w || !is_fp32_cpu(x) || x.dim() < 1 || x.size(-1) != weight.size(1) ||
+      x.numel() == 0) {
+    if (weight.scalar_type() == x.scalar_type() && !(weight_scale && weight_scale->defined()))
+      return at::linear(x, weight, bias);
+    return at::linear(x, dequantized(weight, weight_scale).to(x.scalar_type()), bias);
+  }
   const int64_t K = weight.size(1), N = weight.size(0);
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();  // [M, K]
   at::Tensor y = at::empty({x2.size(0), N}, x.options());  // [M, N]
-  linear_into(x2.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), x2.size(0),
-              K, N);
+  linear_into(x2.data_ptr<float>(), *w, y.data_ptr<float>(), x2.size(0), K, N);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   return y.view(out_shape);
 }
 
-// [B, N] = x [B, K] @ weight^T, with the shape checks of decode_layer.
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight) {
+// [B, N] = x [B, K] @ weight^T, with the checks of decode_layer.
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
+                   const std::optional<at::Tensor>& scale) {
+  const auto w = as_weight(weight, scale);
+  TORCH_CHECK(w.has_value(), "decode_layer: weights are contiguous fp32, bf16 or int8 + scale, "
+              "with input dims in multiples of 16");
   TORCH_CHECK(weight.size(1) == x.size(1), "decode_layer: a weight does not match its input");
-  TORCH_CHECK(weight.size(1) % 16 == 0, "decode_layer: input dims must be multiples of 16");
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  linear_into(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), x.size(0),
-              x.size(1), weight.size(0));
+  linear_into(x.data_ptr<float>(), *w, y.data_ptr<float>(), x.size(0), x.size(1),
+              weight.size(0));
   return y;
 }
 
@@ -105,11 +149,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& post_norm,     // [H]
     const at::Tensor& gate_up_weight,  // [2 I, H]
     const at::Tensor& down_weight,     // [H, I]
+    const std::optional<at::Tensor>& qkv_scale,  // int8 weights' group scales
+    const std::optional<at::Tensor>& o_scale,
+    const std::optional<at::Tensor>& gate_up_scale,
+    const std::optional<at::Tensor>& down_scale,
     double eps, double scale, int64_t num_heads, int64_t block_size) {
   TORCH_CHECK(skiff_cpu::avx512_supported(), "decode_layer needs AVX-512");
-  for (const at::Tensor* t : {&hidden, &residual, &input_norm, &qkv_weight, &cos_sin,
-                              &key_cache, &value_cache, &o_weight, &post_norm,
-                              &gate_up_weight, &down_weight}) {
+  for (const at::Tensor* t :
+       {&hidden, &residual, &input_norm, &cos_sin, &key_cache, &value_cache, &post_norm}) {
     TORCH_CHECK(is_fp32_cpu(*t) && t->is_contiguous(),
                 "decode_layer takes contiguous fp32 CPU tensors");
   }
@@ -125,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
   // Residual add, RMSNorm, QKV projection.
   auto [normed, x] = add_rms_norm(hidden, residual, input_norm, eps);
-  at::Tensor qkv = project(normed, qkv_weight);  // [B, q + 2 kv]
+  at::Tensor qkv = project(normed, qkv_weight, qkv_scale);  // [B, q + 2 kv]
   if (qkv_bias.has_value() && qkv_bias->defined()) qkv.add_(*qkv_bias);
 
   // Per-head q/k norm and rotary; the new keys and values into the cache.
@@ -168,28 +215,31 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   });
 
   // Output projection, residual add, RMSNorm, MLP.
-  at::Tensor attn_out = project(attn, o_weight);  // [B, H]
+  at::Tensor attn_out = project(attn, o_weight, o_scale);  // [B, H]
   auto [normed2, x2] = add_rms_norm(attn_out, x, post_norm, eps);
-  at::Tensor gate_up = project(normed2, gate_up_weight);  // [B, 2 I]
+  at::Tensor gate_up = project(normed2, gate_up_weight, gate_up_scale);  // [B, 2 I]
   const int64_t inter = gate_up.size(1) / 2;
   at::Tensor act = at::empty({batch, inter}, hidden.options());  // [B, I]
   for (int64_t b = 0; b < batch; ++b)
     skiff_cpu::silu_and_mul_row(gate_up.data_ptr<float>() + b * 2 * inter,
                                 act.data_ptr<float>() + b * inter, inter);
-  return {project(act, down_weight), x2};
+  return {project(act, down_weight, down_scale), x2};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(skiff_cpu, m) {
   m.def("avx512_supported() -> bool", [] { return skiff_cpu::avx512_supported(); });
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def(
+      "linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? weight_scale=None) -> "
+      "Tensor");
   m.def(
       "decode_layer(Tensor hidden, Tensor residual, Tensor input_norm, Tensor qkv_weight, "
       "Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, Tensor cos_sin, "
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor block_table, "
       "Tensor seq_lens, Tensor o_weight, Tensor post_norm, Tensor gate_up_weight, "
-      "Tensor down_weight, float eps, float scale, int num_heads, int block_size) "
+      "Tensor down_weight, Tensor? qkv_scale, Tensor? o_scale, Tensor? gate_up_scale, "
+      "Tensor? down_scale, float eps, float scale, int num_heads, int block_size) "
       "-> (Tensor, Tensor)");
 }
 

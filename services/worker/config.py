@@ -10,6 +10,8 @@ from shared.cli_args import setting
 from shared.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 
 DTYPES = ("float32", "float16", "bfloat16")
+# the CPU worker's projection weights (services/worker/weight_format.py); fp32 is exact
+CPU_WEIGHT_FORMATS = ("fp32", "bf16", "int8")
 SIM_DEVICE = "sim"  # RunnerConfig.device of a simulated worker (services/worker/sim_runner.py)
 
 
@@ -33,6 +35,10 @@ class RunnerConfig:
     compile: bool = setting(
         True, "CPU decode steps run each layer as one C++ op (built once, cached on disk)"
     )
+    cpu_weights: str = setting(
+        "fp32",
+        "CPU projection weights: fp32 (exact), bf16 or int8 (faster, outputs can differ)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_model_len"):
@@ -44,6 +50,13 @@ class RunnerConfig:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.cpu_weights not in CPU_WEIGHT_FORMATS:
+            raise ValueError(
+                f"cpu_weights must be one of {', '.join(CPU_WEIGHT_FORMATS)}, "
+                f"got {self.cpu_weights!r}"
+            )
+        if self.cpu_weights != "fp32" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError("cpu_weights other than fp32 need device cpu and dtype float32")
 
 
 @dataclass(frozen=True)

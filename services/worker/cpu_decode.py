@@ -31,12 +31,13 @@ class CompiledDecode:
 
     @staticmethod
     def supports(model: DecoderForCausalLM) -> bool:
-        """The C++ ops run here and cover the model (fp32; projection inputs of 16k floats)."""
+        """The C++ ops run here and cover the model (fp32 activations, weights in any
+        services/worker/weight_format.py format; projection inputs of 16k floats)."""
         mc = model.config
         dims = (mc.hidden_size, mc.intermediate_size, mc.num_attention_heads * mc.head_dim)
         return (
             cpu_ops.load()
-            and model.embed_tokens.weight.dtype == torch.float32
+            and model.norm.weight.dtype == torch.float32
             and all(d % 16 == 0 for d in dims)
         )
 
@@ -57,6 +58,13 @@ class CompiledDecode:
                 attn.k_norm.weight if attn.qk_norm else None, cos_sin, kv[0], kv[1],
                 slot_mapping, meta.block_table, meta.seq_lens, attn.o_proj.weight,
                 layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-                mlp.down_proj.weight, self.eps, self.scale, self.num_heads, self.block_size,
+                mlp.down_proj.weight, _scale(attn.qkv_proj), _scale(attn.o_proj),
+                _scale(mlp.gate_up_proj), _scale(mlp.down_proj), self.eps, self.scale,
+                self.num_heads, self.block_size,
             )  # fmt: skip
         return model.norm(hidden, residual)[0]
+
+
+def _scale(module: torch.nn.Module) -> torch.Tensor | None:
+    """The row scales of an int8 weight (services/worker/weight_format.py), else None."""
+    return getattr(module, "weight_scale", None)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from kernels import cpu_ops
 from services.worker.attention import AttentionMetadata, get_attention_backend
 from services.worker.config import RunnerConfig
 from services.worker.cpu_decode import CompiledDecode
@@ -27,6 +28,7 @@ from services.worker.sampler import prompt_logprobs as prompt_lp
 from services.worker.sampler.metadata import GrammarMask
 from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.step_timer import StepTimer
+from services.worker.weight_format import convert_weights
 from shared.protocol import BatchPlan, ModelRunnerOutput, TokenLogprobs
 
 
@@ -59,6 +61,10 @@ class ModelRunner:
             dtype,
             self.max_model_len,
         )
+        if config.cpu_weights != "fp32":
+            if not cpu_ops.load():
+                raise RuntimeError(f"--cpu-weights {config.cpu_weights} needs the C++ CPU ops")
+            convert_weights(self.model, config.cpu_weights)
         # One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
         shape = (2, self.num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
         self.kv_caches = [

@@ -9,6 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from kernels import cpu_ops, ops
+from services.worker.weight_format import INT8_GROUP, quantize_int8
 
 pytestmark = pytest.mark.unit
 
@@ -39,6 +40,39 @@ def test_matches_reference(num_tokens, out_features, in_features, with_bias):
     got = torch.ops.skiff_cpu.linear(x, weight, bias)
     assert got.shape == (num_tokens, out_features)
     torch.testing.assert_close(got, reference(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "int8"])
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, 65])
+@pytest.mark.parametrize(("out_features", "in_features"), [(13, 64), (962, 576)])
+def test_lower_precision_weights_match_their_dequantized_reference(
+    weight_format, num_tokens, out_features, in_features
+):
+    """bf16 and group-scaled int8 weights: the products and sums are fp32, so the result is
+    that of the fp32 weights they stand for."""
+    gen = torch.Generator().manual_seed(num_tokens + out_features)
+    x = torch.randn(num_tokens, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    if weight_format == "bf16":
+        stored, scale = weight.to(torch.bfloat16), None
+        dequantized = stored.float()
+    else:
+        stored, scale = quantize_int8(weight)
+        groups = stored.float().view(out_features, -1, INT8_GROUP) * scale.unsqueeze(2)
+        dequantized = groups.view_as(weight)
+    got = torch.ops.skiff_cpu.linear(x, stored, None, scale)
+    torch.testing.assert_close(got, reference(x, dequantized, None), rtol=1e-5, atol=1e-4)
+    # and where the kernel does not apply (a transposed input dim), torch gets the same weight
+    fallback = torch.ops.skiff_cpu.linear(x.double(), stored, None, scale)
+    torch.testing.assert_close(fallback, reference(x, dequantized, None).double())
+
+
+def test_int8_quantization_error_is_half_a_step():
+    weight = torch.randn(64, 128) * torch.logspace(-3, 1, 128)  # groups of very different scale
+    q, scale = quantize_int8(weight)
+    assert q.dtype == torch.int8 and scale.shape == (64, 128 // INT8_GROUP)
+    step = scale.repeat_interleave(INT8_GROUP, dim=1)
+    assert ((q.float() * step - weight).abs() <= step / 2 + 1e-7).all()
 
 
 def test_leading_dims_and_non_contiguous_input():

@@ -45,6 +45,26 @@ def test_compiled_decode_matches_eager(tiny_models, arch):
         check_step(runner, seq_lens)
 
 
+@pytest.mark.parametrize(
+    ("arch", "cpu_weights"),
+    [("llama", "bf16"), ("qwen2", "int8"), ("qwen3", "bf16"), ("llama3-scaled", "int8")],
+)
+@torch.inference_mode()
+def test_lower_precision_weights_decode_like_the_eager_model(tiny_models, arch, cpu_weights):
+    """bf16 / int8 weights (services/worker/weight_format.py): the fused path computes what
+    the eager model computes with the same stored weights."""
+    config = RunnerConfig(
+        model_dir=str(tiny_models[arch]), num_blocks=64, max_model_len=256, cpu_weights=cpu_weights
+    )
+    runner = ModelRunner(config)
+    want = torch.bfloat16 if cpu_weights == "bf16" else torch.int8
+    assert runner.model.lm_head is not None and runner.model.lm_head.weight.dtype == want
+    assert runner.model.layers[0].mlp.down_proj.weight.dtype == want
+    assert runner.model.embed_tokens.weight.dtype == torch.float32  # lookups stay fp32
+    for seq_lens in ([1], [100, 5, 16, 17]):
+        check_step(runner, seq_lens)
+
+
 def check_step(runner: ModelRunner, seq_lens: list[int]) -> None:
     gen = torch.Generator().manual_seed(len(seq_lens) * 1000 + sum(seq_lens))
     for cache in runner.kv_caches:  # earlier context: random keys and values

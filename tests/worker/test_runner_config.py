@@ -20,6 +20,9 @@ from services.worker.model_runner import ModelRunner, build_runner, num_kv_block
         dict(kv_cache_gib=0.0),
         dict(dtype="float33"),
         dict(dtype="int64"),
+        dict(cpu_weights="fp16"),
+        dict(cpu_weights="int8", device="cuda"),
+        dict(cpu_weights="bf16", dtype="bfloat16"),
     ],
 )
 def test_invalid_config_is_refused(bad):

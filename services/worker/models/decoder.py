@@ -12,7 +12,13 @@ from torch import nn
 from kernels import ops
 from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.model_config import ModelConfig
-from services.worker.models.layers import MLP, Attention, RMSNorm, rotary_cos_sin_cache
+from services.worker.models.layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    project,
+    rotary_cos_sin_cache,
+)
 
 
 class DecoderLayer(nn.Module):
@@ -47,6 +53,7 @@ class DecoderForCausalLM(nn.Module):
             DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = None  # tied: the embedding is the LM head
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer(
@@ -70,7 +77,6 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_reqs, hidden_size] -> logits [num_reqs, vocab_size]."""
-        weight = (
-            self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        )
-        return ops.linear(hidden, weight)
+        if self.lm_head is None:
+            return ops.linear(hidden, self.embed_tokens.weight)
+        return project(self.lm_head, hidden)

@@ -10,6 +10,12 @@ from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.model_config import ModelConfig, rope_inv_freq
 
 
+def project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` through `ops.linear`; an int8 weight carries its row scales as
+    `weight_scale` (services/worker/weight_format.py)."""
+    return ops.linear(x, module.weight, module.bias, getattr(module, "weight_scale", None))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -58,7 +64,7 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = ops.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = project(self.qkv_proj, hidden)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -68,7 +74,7 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view_as(k)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, heads, head_dim]
-        return ops.linear(out.reshape(num_tokens, -1), self.o_proj.weight)
+        return project(self.o_proj, out.reshape(num_tokens, -1))
 
 
 class MLP(nn.Module):
@@ -78,5 +84,4 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = ops.linear(x, self.gate_up_proj.weight)
-        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight)
+        return project(self.down_proj, ops.silu_and_mul(project(self.gate_up_proj, x)))

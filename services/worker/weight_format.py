@@ -1,0 +1,54 @@
+"""Lower-precision storage for the CPU worker's projection weights (`--cpu-weights`), off by
+default: the fp32 weights are exact (greedy output equals transformers'), the others trade
+agreement for speed, because a CPU decode step is bound by reading the weights.
+
+- `fp32`: as loaded.
+- `bf16`: each weight rounded to bfloat16 (half the bytes); products and sums stay fp32.
+- `int8`: symmetric int8 with an fp32 scale per group of 32 weights of a row (like
+  llama.cpp's Q8_0), weight = q * scale (9/32 of the bytes).
+
+Every projection and the LM head are converted (a tied LM head gets its own copy, the
+embedding lookup stays fp32); norms, activations and the KV cache stay fp32. The C++ ops
+(`kernels/cpu_ops.py`) read all three formats.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.worker.config import CPU_WEIGHT_FORMATS
+from services.worker.models.decoder import DecoderForCausalLM
+
+
+INT8_GROUP = 32  # weights per scale; kInt8Group in kernels/csrc/cpu_kernels.h
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] fp32 -> (int8 [N, K], fp32 scale [N, K / 32]): weight ~= q * scale per group."""
+    groups = weight.reshape(weight.shape[0], -1, INT8_GROUP)  # [N, K / 32, 32]
+    scale = groups.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / 127
+    q = torch.round(groups / scale).clamp(-127, 127).to(torch.int8)
+    return q.reshape(weight.shape), scale.squeeze(2).float()
+
+
+def convert_weights(model: DecoderForCausalLM, weight_format: str) -> None:
+    """Store every projection of `model` (on the CPU, fp32) in `weight_format`, in place."""
+    if weight_format not in CPU_WEIGHT_FORMATS:
+        raise ValueError(f"cpu weights must be one of {', '.join(CPU_WEIGHT_FORMATS)}")
+    if weight_format == "fp32":
+        return
+    if model.lm_head is None:  # tied: the LM head gets its own copy of the embedding
+        vocab, hidden = model.embed_tokens.weight.shape
+        model.lm_head = nn.Linear(hidden, vocab, bias=False, device="meta")
+        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach(), requires_grad=False)
+    for module in model.modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        weight = module.weight.detach()
+        if weight_format == "bf16":
+            module.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
+        else:
+            q, scale = quantize_int8(weight)
+            module.weight = nn.Parameter(q, requires_grad=False)
+            module.register_buffer("weight_scale", scale)
