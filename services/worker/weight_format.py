@@ -20,7 +20,6 @@ from torch import nn
 from services.worker.config import CPU_WEIGHT_FORMATS
 from services.worker.models.decoder import DecoderForCausalLM
 
-
 INT8_GROUP = 32  # weights per scale; kInt8Group in kernels/csrc/cpu_kernels.h
 
 
