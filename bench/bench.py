@@ -128,7 +128,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    llm = LLM()
+    llm = LLM(enable_prefix_caching=False)  # as the served path: no run reuses another's KV
     model_dir = llm.runner.config.model_dir
     llama, llama_missing = None, "--no-llama-cpp"
     if args.llama_cpp:  # build/convert first: never while something is being timed
@@ -138,9 +138,12 @@ def main() -> None:
             llama_missing = f"cannot be built: {e}"
             print(f"llama.cpp skipped, {llama_missing}")
     machine = roofline.measure()
+    linear = machine["cpu_linear_gflops"]
     print(
-        f"machine: {machine['cpu']}, fp32 GEMM {machine['fp32_gemm_gflops']:.0f} GFLOP/s, "
-        f"copy bandwidth {machine['copy_bandwidth_gbs']:.1f} GB/s, "
+        f"machine: {machine['cpu']}, fp32 GEMM {machine['fp32_gemm_gflops']:.0f} GFLOP/s "
+        f"(torch), {'n/a' if linear is None else f'{linear:.0f}'} GFLOP/s (skiff_cpu::linear, "
+        f"256 x 1024 x 1024), copy bandwidth {machine['copy_bandwidth_gbs']:.1f} GB/s, "
+        f"read bandwidth {machine['read_bandwidth_gbs']:.1f} GB/s, "
         f"load average {machine['load_average_1m']:.1f}"
     )
     prompts, outputs = reference_workload(llm.tokenizer, args.requests)

@@ -1,6 +1,7 @@
 """The machine's limits, measured in the benchmark's own run: CPU model and the vector/matrix
-extensions that matter to an LLM engine, fp32 GEMM GFLOP/s (torch matmul) and memory
-bandwidth (a large tensor copy, bytes read plus written)."""
+extensions that matter to an LLM engine, fp32 GEMM GFLOP/s (torch matmul, and skiff's own
+`skiff_cpu::linear` at a prefill-like shape) and memory bandwidth (a large tensor copy, bytes
+read plus written; and a large tensor sum, bytes read: what bounds a decode step)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,24 @@ def gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / t / 1e9
 
 
+def cpu_linear_gflops(tokens: int = 256, n: int = 1024, repeats: int = 5) -> float | None:
+    """fp32 `skiff_cpu::linear` of [tokens, n] x [n, n] (None: the C++ ops do not run here)."""
+    from kernels import cpu_ops
+
+    if not cpu_ops.load():
+        return None
+    x, w = torch.randn(tokens, n), torch.randn(n, n)
+    t = _best_seconds(lambda: torch.ops.skiff_cpu.linear(x, w), repeats)
+    return 2 * tokens * n * n / t / 1e9
+
+
+def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """GB/s of summing a `mib` MiB fp32 tensor (read only), best of `repeats`."""
+    src = torch.ones(mib * 2**20 // 4)
+    t = _best_seconds(src.sum, repeats)
+    return src.numel() * 4 / t / 1e9
+
+
 def copy_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
     """GB/s of copying a `mib` MiB fp32 tensor (read + write), best of `repeats`."""
     src = torch.ones(mib * 2**20 // 4)
@@ -64,5 +83,7 @@ def measure() -> dict[str, object]:
         "load_average_1m": os.getloadavg()[0],
         "torch_threads": torch.get_num_threads(),
         "fp32_gemm_gflops": gemm_gflops(),
+        "cpu_linear_gflops": cpu_linear_gflops(),
         "copy_bandwidth_gbs": copy_bandwidth_gbs(),
+        "read_bandwidth_gbs": read_bandwidth_gbs(),
     }

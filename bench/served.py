@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from bench.plots import plot_latency_cdfs, plot_throughput  # noqa: E402
 from bench.workload import reference_workload  # noqa: E402
 from services.launcher import Stack, StackConfig, free_port  # noqa: E402
-from shared.config import SchedulerServiceConfig  # noqa: E402
+from shared.config import SchedulerConfig, SchedulerServiceConfig  # noqa: E402
 
 Samples = dict[int, dict[str, list[float]]]  # concurrency -> {"ttft": [...], "itl": [...]} (s)
 
@@ -126,6 +126,8 @@ def run_served(
             model_dir=model_dir,
             served_model_name="bench",
             port=free_port(),
+            # every concurrency runs the same prompts: none may find the last run's KV cached
+            scheduler=SchedulerConfig(enable_prefix_caching=False),
             scheduler_service=SchedulerServiceConfig(metrics_port=metrics_port),
             log_dir="/tmp/skiff-bench",
         )

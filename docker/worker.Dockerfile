@@ -58,7 +58,8 @@ RUN useradd --uid 10001 --user-group --create-home --home-dir /home/skiff skiff 
     && install -d -o 10001 -g 10001 /cache
 COPY --from=build /opt/venv /opt/venv
 # Everything written at run time goes under /cache (the chart mounts a volume there): the
-# converted default model (/cache/skiff), Hugging Face files, Triton's compiled kernels.
+# converted default model (/cache/skiff), the CPU ops' build (/cache/skiff/cpu-kernels),
+# Hugging Face files, Triton's compiled kernels.
 # DL3064 is a false positive: TOKENIZERS_PARALLELISM is a switch of the tokenizers library.
 # hadolint ignore=DL3064
 ENV PATH=/opt/venv/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/cache \

@@ -26,8 +26,8 @@ class CompiledDecode:
         self.num_heads = mc.num_attention_heads
         self.block_size = kv_caches[0].shape[2]
         self.scale = model.layers[0].self_attn.scale
-        # per layer [2, num_slots, kv_heads, head_dim]: views of the paged caches
-        self.kv_slots = [cache.flatten(1, 2) for cache in kv_caches]
+        pairs = zip(model.layers, kv_caches, strict=True)
+        self.layers = [_layer_args(layer, cache) for layer, cache in pairs]
 
     @staticmethod
     def supports(model: DecoderForCausalLM) -> bool:
@@ -50,21 +50,38 @@ class CompiledDecode:
         hidden = torch.zeros_like(residual)  # layer 0 adds it to the embedding: exact
         cos_sin = model.cos_sin_cache[positions]  # [B, rot_dim]
         slot_mapping = meta.slot_mapping.long()
-        for layer, kv in zip(model.layers, self.kv_slots, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
+        step = (slot_mapping, meta.block_table, meta.seq_lens)
+        attention = (self.eps, self.scale, self.num_heads, self.block_size)
+        for pre, cache, post in self.layers:
             hidden, residual = torch.ops.skiff_cpu.decode_layer(
-                hidden, residual, layer.input_layernorm.weight, attn.qkv_proj.weight,
-                attn.qkv_proj.bias, attn.q_norm.weight if attn.qk_norm else None,
-                attn.k_norm.weight if attn.qk_norm else None, cos_sin, kv[0], kv[1],
-                slot_mapping, meta.block_table, meta.seq_lens, attn.o_proj.weight,
-                layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-                mlp.down_proj.weight, _scale(attn.qkv_proj), _scale(attn.o_proj),
-                _scale(mlp.gate_up_proj), _scale(mlp.down_proj), self.eps, self.scale,
-                self.num_heads, self.block_size,
-            )  # fmt: skip
+                hidden, residual, *pre, cos_sin, *cache, *step, *post, *attention
+            )
         return model.norm(hidden, residual)[0]
 
 
-def _scale(module: torch.nn.Module) -> torch.Tensor | None:
-    """The row scales of an int8 weight (services/worker/weight_format.py), else None."""
-    return getattr(module, "weight_scale", None)
+_Args = tuple[torch.Tensor | None, ...]
+
+
+def _layer_args(layer: torch.nn.Module, kv_cache: torch.Tensor) -> tuple[_Args, _Args, _Args]:
+    """A layer's arguments of `decode_layer`, looked up once (module attribute lookups cost
+    microseconds, per layer and step): those before cos_sin, the key and value caches as
+    [num_slots, kv_heads, head_dim] views, and the weights after the step's tensors."""
+    attn, mlp = layer.self_attn, layer.mlp
+    pre = (
+        layer.input_layernorm.weight,
+        attn.qkv_proj.weight,
+        attn.qkv_proj.bias,
+        attn.q_norm.weight if attn.qk_norm else None,
+        attn.k_norm.weight if attn.qk_norm else None,
+    )
+    slots = kv_cache.flatten(1, 2)  # [2, num_slots, kv_heads, head_dim]
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    post = (
+        attn.o_proj.weight,
+        layer.post_attention_layernorm.weight,
+        mlp.gate_up_proj.weight,
+        mlp.down_proj.weight,
+        # int8 weights' group scales (services/worker/weight_format.py)
+        *(getattr(p, "weight_scale", None) for p in projections),
+    )
+    return pre, (slots[0], slots[1]), post

@@ -73,7 +73,9 @@ def load_model(
         if mapped is None or (mapped[0] == "lm_head.weight" and config.tie_word_embeddings):
             continue
         name, shard = mapped
-        tensor = tensor.to(device=device, dtype=dtype)
+        # A copy even on the CPU: weights read off the checkpoint's memory map would page-fault
+        # mid-step from wherever the file lies, and stream ~10% slower than private memory.
+        tensor = tensor.to(device=device, dtype=dtype, copy=True)
         if shard is None:
             state[name] = tensor
         else:
