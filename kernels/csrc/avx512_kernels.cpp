@@ -98,6 +98,63 @@ float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// e^x, 16 at a time: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7
+// (relative error ~1e-8, below fp32 rounding), times 2^n by scalef. x is clamped to
+// [-87, 88]: e^-87 ~ 1.6e-38 is still a normal fp32, e^88 ~ 1.7e38 still finite.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high bits
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);   // ln2, the rest
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[t] = e^(s[t] - shift) in place; returns their sum.
+float exp_shifted(float* s, int64_t n, float shift) {
+  const __m512 sh = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), sh));
+    _mm512_storeu_ps(s + t, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (t < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), sh));
+    _mm512_mask_storeu_ps(s + t, tail, e);
+    acc = _mm512_mask_add_ps(acc, tail, acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// out[0 : 16 C] = sum over t < context_len of p[t] * V[t] for one KV head, in registers.
+template <int C>
+void weighted_sum(const float* p, const float* value_cache, const int32_t* block_table,
+                  int64_t context_len, int64_t block_size, int64_t num_kv_heads, int64_t kv_head,
+                  float* out) {
+  constexpr int64_t head_dim = 16 * C;
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < context_len; ++t) {
+    const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size +
+                         t % block_size;
+    const float* v = value_cache + (slot * num_kv_heads + kv_head) * head_dim;
+    const __m512 pt = _mm512_set1_ps(p[t]);
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16 * c), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+
 }  // namespace
 
 void linear_rows(const float* x, const void* w, WeightFormat format, const float* scale,
@@ -131,35 +188,66 @@ void rotate_head(float* head, const float* cos_sin, int64_t rot_dim) {
   }
 }
 
-void attend_head(const float* q, const float* key_cache, const float* value_cache,
-                 const int32_t* block_table, int64_t seq_len, int64_t block_size,
-                 int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, float scale,
-                 float* scores, float* out) {
+void attend(const float* q, int64_t group, const float* key_cache, const float* value_cache,
+            const int32_t* block_table, int64_t context_len, int64_t block_size,
+            int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, float scale,
+            float* scores, float* out, int64_t out_stride) {
   auto head_offset = [&](int64_t t) {
     const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size +
                          t % block_size;
     return (slot * num_kv_heads + kv_head) * head_dim;
   };
-  float max_score = -INFINITY;
-  for (int64_t t = 0; t < seq_len; ++t) {
-    scores[t] = dot(q, key_cache + head_offset(t), head_dim) * scale;
-    max_score = std::max(max_score, scores[t]);
+  // Scores: each key is read once for all query heads of its group.
+  for (int64_t t = 0; t < context_len; ++t) {
+    const float* k = key_cache + head_offset(t);
+    for (int64_t h = 0; h < group; ++h)
+      scores[h * context_len + t] = dot(q + h * head_dim, k, head_dim) * scale;
   }
-  float total = 0.0f;
-  for (int64_t t = 0; t < seq_len; ++t) {
-    scores[t] = std::exp(scores[t] - max_score);
-    total += scores[t];
+  // Softmax per head, then the weighted sum of the values (each value read once).
+  for (int64_t h = 0; h < group; ++h) {
+    float* s = scores + h * context_len;
+    float max_score = -INFINITY;
+    for (int64_t t = 0; t < context_len; ++t) max_score = std::max(max_score, s[t]);
+    const float total = exp_shifted(s, context_len, max_score);
+    const __m512 inv = _mm512_set1_ps(1.0f / total);
+    int64_t t = 0;
+    for (; t + 16 <= context_len; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+    for (; t < context_len; ++t) s[t] /= total;
   }
-  std::fill(out, out + head_dim, 0.0f);
-  for (int64_t t = 0; t < seq_len; ++t) {
-    const float p = scores[t] / total;
-    const float* v = value_cache + head_offset(t);
-    for (int64_t d = 0; d < head_dim; ++d) out[d] += p * v[d];
+  for (int64_t h = 0; h < group; ++h) {
+    const float* p = scores + h * context_len;
+    float* o = out + h * out_stride;
+    switch (head_dim / 16) {
+      case 1: weighted_sum<1>(p, value_cache, block_table, context_len, block_size, num_kv_heads, kv_head, o); break;
+      case 2: weighted_sum<2>(p, value_cache, block_table, context_len, block_size, num_kv_heads, kv_head, o); break;
+      case 3: weighted_sum<3>(p, value_cache, block_table, context_len, block_size, num_kv_heads, kv_head, o); break;
+      case 4: weighted_sum<4>(p, value_cache, block_table, context_len, block_size, num_kv_heads, kv_head, o); break;
+      case 5: weighted_sum<5>(p, value_cache, block_table, context_len, block_size, num_kv_heads, kv_head, o); break;
+      case 6: weighted_sum<6>(p, value_cache, block_table, context_len, block_size, num_kv_heads, kv_head, o); break;
+      case 7: weighted_sum<7>(p, value_cache, block_table, context_len, block_size, num_kv_heads, kv_head, o); break;
+      case 8: weighted_sum<8>(p, value_cache, block_table, context_len, block_size, num_kv_heads, kv_head, o); break;
+      default: {  // head_dim > 128: accumulate in `o` itself
+        for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_setzero_ps());
+        for (int64_t t = 0; t < context_len; ++t) {
+          const float* v = value_cache + head_offset(t);
+          const __m512 pt = _mm512_set1_ps(p[t]);
+          for (int64_t d = 0; d < head_dim; d += 16)
+            _mm512_storeu_ps(o + d, _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + d), _mm512_loadu_ps(o + d)));
+        }
+      }
+    }
   }
 }
 
 void silu_and_mul_row(const float* gate_up, float* out, int64_t dim) {
-  for (int64_t i = 0; i < dim; ++i) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 16 <= dim; i += 16) {  // silu(g) = g / (1 + e^-g)
+    const __m512 g = _mm512_loadu_ps(gate_up + i);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(gate_up + dim + i)));
+  }
+  for (; i < dim; ++i) {
     const float g = gate_up[i];
     out[i] = g / (1.0f + std::exp(-g)) * gate_up[dim + i];
   }

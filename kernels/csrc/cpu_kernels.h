@@ -29,14 +29,16 @@ void rms_norm_row(const float* x, const float* weight, float* out, int64_t dim, 
 // [cos (rot_dim / 2), sin (rot_dim / 2)], the rest pass through.
 void rotate_head(float* head, const float* cos_sin, int64_t rot_dim);
 
-// One query head against its request's context in the paged cache:
-// out = softmax(scale * q . K[t]) @ V[t] over t < seq_len, where position t lies in slot
-// block_table[t / block_size] * block_size + t % block_size and head `kv_head` of a slot
-// starts at (slot * num_kv_heads + kv_head) * head_dim. `scores` holds seq_len floats.
-void attend_head(const float* q, const float* key_cache, const float* value_cache,
-                 const int32_t* block_table, int64_t seq_len, int64_t block_size,
-                 int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, float scale,
-                 float* scores, float* out);
+// The `group` query heads that share KV head `kv_head` (q: [group, head_dim], contiguous),
+// for one token whose causal context is positions [0, context_len) of its request:
+// out[h] = softmax(scale * q[h] . K[t]) @ V[t] over t < context_len. Position t lies in slot
+// block_table[t / block_size] * block_size + t % block_size; head `kv_head` of a slot starts
+// at (slot * num_kv_heads + kv_head) * head_dim. `scores` holds group * context_len floats;
+// head_dim % 16 == 0. `out` is [group, head_dim] with a row stride of `out_stride` floats.
+void attend(const float* q, int64_t group, const float* key_cache, const float* value_cache,
+            const int32_t* block_table, int64_t context_len, int64_t block_size,
+            int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, float scale,
+            float* scores, float* out, int64_t out_stride);
 
 // out[i] = silu(gate_up[i]) * gate_up[dim + i] for i < dim.
 void silu_and_mul_row(const float* gate_up, float* out, int64_t dim);

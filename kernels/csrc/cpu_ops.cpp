@@ -7,10 +7,12 @@
 //   request) in a single call: residual add + RMSNorm, QKV projection (+ bias, q/k norm),
 //   rotary, KV-cache write, paged attention read straight from the cache through the block
 //   table, output projection, residual add + RMSNorm, gate/up projection, SiLU-and-mul, down
-//   projection.
+//   projection;
+// - paged_attention(...): causal attention of a step's tokens (decode and prefill chunks)
+//   against the paged cache, read in place through the block table.
 //
-// Both split work over torch's own OpenMP threads. linear falls back to at::linear where its
-// kernel does not apply; decode_layer checks its inputs and refuses what it does not cover.
+// All three split work over torch's own OpenMP threads. linear falls back to at::linear where
+// its kernel does not apply; the others check their inputs and refuse what they do not cover.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -131,6 +133,68 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden,
   return {out, x};
 }
 
+// Causal attention of tokens against the paged cache, one task per (token, KV head):
+// token i (its query heads at q + i * q_row_stride, [heads, head_dim]) belongs to request
+// token_request[i] and sees that request's positions [0, context_lens[i]). Writes out
+// [tokens, heads * head_dim].
+void attend_tokens(const float* q, int64_t q_row_stride, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, const at::Tensor& block_table,
+                   const std::vector<int64_t>& token_request,
+                   const std::vector<int64_t>& context_lens, int64_t num_heads,
+                   int64_t block_size, float scale, float* out) {
+  const int64_t num_kv_heads = key_cache.size(1), head_dim = key_cache.size(2);
+  TORCH_CHECK(head_dim % 16 == 0, "attention: head_dim must be a multiple of 16");
+  const int64_t group = num_heads / num_kv_heads, width = block_table.size(1);
+  const int64_t tokens = static_cast<int64_t>(token_request.size());
+  const float* keys = key_cache.data_ptr<float>();
+  const float* values = value_cache.data_ptr<float>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  at::parallel_for(0, tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / num_kv_heads, g = task % num_kv_heads;
+      const int64_t context_len = context_lens[i];
+      scores.resize(group * context_len);
+      skiff_cpu::attend(q + i * q_row_stride + g * group * head_dim, group, keys, values,
+                        table + token_request[i] * width, context_len, block_size,
+                        num_kv_heads, g, head_dim, scale, scores.data(),
+                        out + (i * num_heads + g * group) * head_dim, head_dim);
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& query,        // [T, heads, head_dim]
+                           const at::Tensor& key_cache,    // [num_slots, kv_heads, head_dim]
+                           const at::Tensor& value_cache,  // [num_slots, kv_heads, head_dim]
+                           const at::Tensor& query_start_loc,  // [R + 1] int32
+                           const at::Tensor& seq_lens,         // [R] int32
+                           const at::Tensor& block_table,      // [R, max_blocks] int32
+                           double scale, int64_t block_size) {
+  TORCH_CHECK(skiff_cpu::avx512_supported(), "paged_attention needs AVX-512");
+  for (const at::Tensor* t : {&query, &key_cache, &value_cache})
+    TORCH_CHECK(is_fp32_cpu(*t) && t->is_contiguous(),
+                "paged_attention takes contiguous fp32 CPU tensors");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
+              "paged_attention: int32 query_start_loc, seq_lens and contiguous block_table");
+  const int64_t tokens = query.size(0), num_heads = query.size(1);
+  std::vector<int64_t> token_request(tokens), context_lens(tokens);
+  const auto* starts = query_start_loc.data_ptr<int32_t>();
+  const auto* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t r = 0; r < seq_lens.size(0); ++r) {
+    const int64_t q_len = starts[r + 1] - starts[r];
+    for (int64_t j = 0; j < q_len; ++j) {  // causal: the j-th new token sees one more
+      token_request[starts[r] + j] = r;
+      context_lens[starts[r] + j] = lens[r] - q_len + j + 1;
+    }
+  }
+  at::Tensor out = at::empty_like(query);
+  attend_tokens(query.data_ptr<float>(), num_heads * query.size(2), key_cache, value_cache,
+                block_table, token_request, context_lens, num_heads, block_size,
+                static_cast<float>(scale), out.data_ptr<float>());
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& hidden,      // [B, H]
     const at::Tensor& residual,    // [B, H]
@@ -196,23 +260,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     std::copy_n(qkv_p + b * row + q_size + kv_size, kv_size, value_cache.data_ptr<float>() + dst);
   }
 
-  // Paged attention, one task per (request, query head).
+  // Paged attention straight from the cache.
   at::Tensor attn = at::empty({batch, q_size}, hidden.options());  // [B, heads * head_dim]
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t width = block_table.size(1);
-  const auto* lens = seq_lens.data_ptr<int32_t>();
-  at::parallel_for(0, batch * num_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / num_heads, h = i % num_heads;
-      scores.resize(lens[b]);
-      skiff_cpu::attend_head(qkv_p + b * row + h * head_dim, key_cache.data_ptr<float>(),
-                             value_cache.data_ptr<float>(),
-                             block_table.data_ptr<int32_t>() + b * width, lens[b], block_size,
-                             num_kv_heads, h / group, head_dim, static_cast<float>(scale),
-                             scores.data(), attn.data_ptr<float>() + b * q_size + h * head_dim);
-    }
-  });
+  std::vector<int64_t> token_request(batch), context_lens(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    token_request[b] = b;
+    context_lens[b] = seq_lens.data_ptr<int32_t>()[b];
+  }
+  attend_tokens(qkv_p, row, key_cache, value_cache, block_table, token_request, context_lens,
+                num_heads, block_size, static_cast<float>(scale), attn.data_ptr<float>());
 
   // Output projection, residual add, RMSNorm, MLP.
   at::Tensor attn_out = project(attn, o_weight, o_scale);  // [B, H]
@@ -220,9 +276,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   at::Tensor gate_up = project(normed2, gate_up_weight, gate_up_scale);  // [B, 2 I]
   const int64_t inter = gate_up.size(1) / 2;
   at::Tensor act = at::empty({batch, inter}, hidden.options());  // [B, I]
-  for (int64_t b = 0; b < batch; ++b)
-    skiff_cpu::silu_and_mul_row(gate_up.data_ptr<float>() + b * 2 * inter,
-                                act.data_ptr<float>() + b * inter, inter);
+  at::parallel_for(0, batch, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      skiff_cpu::silu_and_mul_row(gate_up.data_ptr<float>() + b * 2 * inter,
+                                  act.data_ptr<float>() + b * inter, inter);
+  });
   return {project(act, down_weight, down_scale), x2};
 }
 
@@ -241,9 +299,14 @@ TORCH_LIBRARY(skiff_cpu, m) {
       "Tensor down_weight, Tensor? qkv_scale, Tensor? o_scale, Tensor? gate_up_scale, "
       "Tensor? down_scale, float eps, float scale, int num_heads, int block_size) "
       "-> (Tensor, Tensor)");
+  m.def(
+      "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor query_start_loc, Tensor seq_lens, Tensor block_table, float scale, "
+      "int block_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(skiff_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("decode_layer", &decode_layer);
+  m.impl("paged_attention", &paged_attention);
 }

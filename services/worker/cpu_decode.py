@@ -32,9 +32,11 @@ class CompiledDecode:
     @staticmethod
     def supports(model: DecoderForCausalLM) -> bool:
         """The C++ ops run here and cover the model (fp32 activations, weights in any
-        services/worker/weight_format.py format; projection inputs of 16k floats)."""
+        services/worker/weight_format.py format; head_dim and projection inputs of 16k
+        floats)."""
         mc = model.config
         dims = (mc.hidden_size, mc.intermediate_size, mc.num_attention_heads * mc.head_dim)
+        dims += (mc.head_dim,)
         return (
             cpu_ops.load()
             and model.norm.weight.dtype == torch.float32

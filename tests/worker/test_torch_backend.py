@@ -1,19 +1,24 @@
-"""The CPU attention backend against the plain per-request reference, on mixed batches."""
+"""The CPU attention backends (plain torch, and the C++ op `skiff_cpu::paged_attention`) against
+the plain per-request reference, on mixed batches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels import cpu_ops
 from kernels.reference import paged_attention
 from services.worker.attention import AttentionMetadata
+from services.worker.attention.cpu_ops_backend import CpuOpsAttentionBackend
 from services.worker.attention.torch_backend import TorchAttentionBackend
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_mixed_batch_matches_reference(seed):
+@pytest.mark.parametrize("backend", ["torch", "cpu_ops"])
+@pytest.mark.parametrize(("seed", "heads", "kv_heads", "dim"), [(0, 6, 2, 32), (1, 6, 2, 32),
+                         (2, 9, 3, 64), (3, 4, 4, 80)])  # fmt: skip
+def test_mixed_batch_matches_reference(backend, seed, heads, kv_heads, dim):
     gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads, dim, bs, num_blocks = 6, 2, 32, 16, 96
+    bs, num_blocks = 16, 96
     # decodes of very different lengths (several groups), a fresh prefill, a chunk after context
     q_lens = [1, 1, 1, 1, 1, 23, 9, 1]
     ctx = [3, 150, 140, 40, 17, 0, 37, 300]
@@ -47,8 +52,13 @@ def test_mixed_batch_matches_reference(seed):
         seq_lens_cpu=seq_lens,
     )
     cache_ref = kv_cache.clone()
-    out = TorchAttentionBackend().forward(q, k, v, kv_cache, meta, scale=dim**-0.5)
-    assert len(meta.backend_state.decodes) >= 3
+    if backend == "torch":
+        out = TorchAttentionBackend().forward(q, k, v, kv_cache, meta, scale=dim**-0.5)
+        assert len(meta.backend_state.decodes) >= 3
+    else:
+        assert cpu_ops.load()
+        out = CpuOpsAttentionBackend().forward(q, k, v, kv_cache, meta, scale=dim**-0.5)
+        assert meta.backend_state is None  # the C++ op ran, not the torch fallback
     flat = cache_ref.view(2, -1, kv_heads, dim)
     flat[0, slots], flat[1, slots] = k, v
     ref = paged_attention(q, cache_ref, qsl, meta.seq_lens, table, dim**-0.5)
