@@ -12,7 +12,8 @@ served path at each --served-concurrency, transformers at each static batch size
 engine with every request at once, llama-server at each slot count) and cpu-latency.png (the
 served path's TTFT and inter-token latency CDFs). The last lines are
 `throughput ratio vs llama.cpp: X.XX` (skiff served / llama-server at its best slot count),
-`single-stream ratio vs llama.cpp: X.XX` (skiff single request / llama-bench tg64) and
+`single-stream ratio vs llama.cpp: X.XX` (skiff's decode steps of one request, prefill
+excluded as llama-bench's tg64 excludes it, best of 3 / llama-bench tg64) and
 `throughput ratio vs transformers: X.XX`.
 """
 
@@ -62,6 +63,17 @@ def engine_run(llm: LLM, prompts, outputs) -> tuple[float, int]:
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     return elapsed, sum(len(r.outputs[0].token_ids) for r in results)
+
+
+def decode_only(llm: LLM, prompt: list[int], new_tokens: int = 64, repeats: int = 3) -> float:
+    """Decode steps alone, as llama-bench's tg<new_tokens> counts them: tokens/s of a request
+    producing new_tokens + 1 tokens, less the time of the same request producing 1 (its
+    prefill and first token); best of `repeats`."""
+
+    def best(n: int) -> float:
+        return min(engine_run(llm, [prompt], [n])[0] for _ in range(repeats))
+
+    return new_tokens / (best(new_tokens + 1) - best(1))
 
 
 def single_decode(llm: LLM, hf_model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
@@ -175,6 +187,7 @@ def main() -> None:
 
     prompt = token_prompts(llm.tokenizer, [16], seed=3)[0]
     ours_single, hf_single = single_decode(llm, hf, prompt, 128)
+    ours_tg = decode_only(llm, prompt)
 
     peers = {
         "skiff LLM.generate (all at once)": {len(prompts): rows[0][1]},
@@ -234,6 +247,7 @@ def main() -> None:
         f"\nsingle request decode (16-token prompt, 128 new): skiff {ours_single:.1f} tok/s, "
         f"transformers {hf_single:.1f} tok/s, ratio {ours_single / hf_single:.2f}"
     )
+    print(f"single stream decode steps only (as tg64, 16-token prompt): skiff {ours_tg:.1f} tok/s")
     for t, rate in llama_singles.items():
         print(f"single stream decode, llama.cpp llama-bench tg64, {t} threads: {rate:.1f} tok/s")
     if served:
@@ -248,6 +262,7 @@ def main() -> None:
                 "rows": rows,
                 "single_decode": {
                     "skiff": ours_single,
+                    "skiff decode steps only (tg64)": ours_tg,
                     "transformers": hf_single,
                     "llama.cpp tg64": llama_single,
                 },
@@ -268,7 +283,7 @@ def main() -> None:
     skiff_served = served["tokens_per_s"] if served else None
     best_llama = max(llama_rates.values()) if llama_rates else None
     for line in llamacpp.ratio_lines(
-        skiff_served, best_llama, ours_single, llama_single, llama_missing
+        skiff_served, best_llama, ours_tg, llama_single, llama_missing
     ):
         print(line)
     print(f"throughput ratio vs transformers: {rows[0][1] / best_hf:.2f}")
