@@ -78,7 +78,14 @@ class WorkerDriver:
         self._in_flight: deque[StepInFlight] = deque()  # oldest first
         self._task: asyncio.Task[None] | None = None
         self._result_at = 0.0  # perf_counter() when the last result came in
-        self._plans_in_flight = metrics.plans_in_flight.labels(worker.worker_id)
+        wid = worker.worker_id
+        self._plans_in_flight = metrics.plans_in_flight.labels(wid)
+        # Each worker's series exist (at 0) from its first plan, not its first result: rate()
+        # then sees the increase of a step that ends between two scrapes.
+        self._step_seconds = metrics.step_seconds.labels(wid)
+        self._nats_round_trip = metrics.nats_round_trip.labels(wid)
+        self._execute_seconds = metrics.execute_seconds.labels(wid)
+        self._idle_seconds = metrics.worker_idle_seconds.labels(wid)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -122,14 +129,13 @@ class WorkerDriver:
             self._in_flight.popleft()
             self._plans_in_flight.set(len(self._in_flight))
             received_at = time.perf_counter()
-            wid = self.worker.worker_id
-            self._metrics.step_seconds.labels(wid).observe(received_at - step.published_at)
+            self._step_seconds.observe(received_at - step.published_at)
             could_start = max(step.published_at, self._result_at)
             self._result_at = received_at
             transit = received_at - could_start - output.execute_s - output.idle_s
-            self._metrics.nats_round_trip.labels(wid).observe(max(transit, 0.0))
-            self._metrics.execute_seconds.labels(wid).observe(output.execute_s)
-            self._metrics.worker_idle_seconds.labels(wid).inc(output.idle_s)
+            self._nats_round_trip.observe(max(transit, 0.0))
+            self._execute_seconds.observe(output.execute_s)
+            self._idle_seconds.inc(output.idle_s)
             t0 = time.perf_counter()
             outputs = core.update(output)
             await self._on_outputs(outputs)
