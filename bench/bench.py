@@ -13,7 +13,8 @@ engine with every request at once, llama-server at each slot count) and cpu-late
 served path's TTFT and inter-token latency CDFs). The last lines are
 `throughput ratio vs llama.cpp: X.XX` (skiff served / llama-server at its best slot count),
 `single-stream ratio vs llama.cpp: X.XX` (skiff's decode steps of one request, prefill
-excluded as llama-bench's tg64 excludes it, best of 3 / llama-bench tg64) and
+excluded as llama-bench's tg64 excludes it / llama-bench tg64; the two take turns three
+times and each keeps its best) and
 `throughput ratio vs transformers: X.XX`.
 """
 
@@ -63,6 +64,9 @@ def engine_run(llm: LLM, prompts, outputs) -> tuple[float, int]:
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     return elapsed, sum(len(r.outputs[0].token_ids) for r in results)
+
+
+SINGLE_STREAM_ROUNDS = 3
 
 
 def decode_only(llm: LLM, prompt: list[int], new_tokens: int = 64, repeats: int = 3) -> float:
@@ -205,11 +209,17 @@ def main() -> None:
         except llamacpp.LlamaCppUnavailable as e:
             llama_missing = f"failed: {e}"
             print(f"llama.cpp served skipped, {llama_missing}")
-        try:
-            llama_singles = llamacpp.single_stream(llama, threads)
-        except llamacpp.LlamaCppUnavailable as e:
-            llama_missing = f"failed: {e}"
-            print(f"llama.cpp single stream skipped, {llama_missing}")
+        # Single stream is bound by memory bandwidth, which drifts on a shared machine: the
+        # two engines take turns, SINGLE_STREAM_ROUNDS times, and each keeps its best.
+        for _ in range(SINGLE_STREAM_ROUNDS):
+            try:
+                for t, rate in llamacpp.single_stream(llama, threads).items():
+                    llama_singles[t] = max(llama_singles.get(t, 0.0), rate)
+            except llamacpp.LlamaCppUnavailable as e:
+                llama_missing = f"failed: {e}"
+                print(f"llama.cpp single stream skipped, {llama_missing}")
+                break
+            ours_tg = max(ours_tg, decode_only(llm, prompt))
     llama_single = max(llama_singles.values(), default=None)
     if llama_rates:
         slots, threads_best = max(llama_rates, key=llama_rates.__getitem__)
