@@ -1,8 +1,9 @@
-"""Device dispatch: the model calls these; CUDA tensors run Triton kernels, others the reference.
+"""Device dispatch: the model calls these; CUDA tensors run Triton kernels, CPU tensors the
+C++ CPU ops (kernels/cpu_ops.py) where they are loaded, others the plain-torch reference.
 
-CPU tensors take the plain-torch reference, unless the Triton interpreter is on
-(TRITON_INTERPRET=1) and `use_triton_on_cpu(True)` was called: then they run the Triton kernels
-in the interpreter, which is how the tests drive the whole model through the kernels.
+With the Triton interpreter on (TRITON_INTERPRET=1) and `use_triton_on_cpu(True)` called, CPU
+tensors run the Triton kernels in the interpreter instead, which is how the tests drive the
+whole model through the kernels.
 Kernel modules are imported on first use, so the CPU path never imports Triton.
 """
 
@@ -30,6 +31,11 @@ def use_triton(t: torch.Tensor) -> bool:
     return _triton_on_cpu and t.device.type == "cpu" and interpreting()
 
 
+def _cpu_ops(x: torch.Tensor) -> bool:
+    """Whether an op on `x` runs the C++ CPU op (kernels/cpu_ops.py) rather than the reference."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_ops.active()
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -52,6 +58,8 @@ def rms_norm(
         from kernels import rms_norm as kernel
 
         return kernel.rms_norm(x, weight, eps, residual)
+    if _cpu_ops(x):
+        return torch.ops.skiff_cpu.rms_norm(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
 
 
@@ -63,6 +71,8 @@ def rotary_embedding(
         from kernels import rotary as kernel
 
         return kernel.rotary_embedding(positions, query, key, cos_sin_cache)
+    if _cpu_ops(query):
+        return torch.ops.skiff_cpu.rotary_embedding(positions, query, key, cos_sin_cache)
     return reference.rotary_embedding(positions, query, key, cos_sin_cache)
 
 
@@ -72,6 +82,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from kernels import activation as kernel
 
         return kernel.silu_and_mul(x)
+    if _cpu_ops(x):
+        return torch.ops.skiff_cpu.silu_and_mul(x)
     return reference.silu_and_mul(x)
 
 

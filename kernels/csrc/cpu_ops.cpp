@@ -9,9 +9,11 @@
 //   table, output projection, residual add + RMSNorm, gate/up projection, SiLU-and-mul, down
 //   projection;
 // - paged_attention(...): causal attention of a step's tokens (decode and prefill chunks)
-//   against the paged cache, read in place through the block table.
+//   against the paged cache, read in place through the block table;
+// - rms_norm, rotary_embedding, silu_and_mul: the model's elementwise ops, as
+//   kernels/reference.py defines them, for the steps that run the model module by module.
 //
-// All three split work over torch's own OpenMP threads. linear falls back to at::linear where
+// All of them split work over torch's own OpenMP threads. linear falls back to at::linear where
 // its kernel does not apply; the others check their inputs and refuse what they do not cover.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -195,6 +197,63 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, heads, head_di
   return out;
 }
 
+// rms_norm(x [T, H], weight, eps, residual) -> (rms_norm(x + residual) * weight, x + residual).
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
+                                            double eps,
+                                            const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(is_fp32_cpu(x) && is_fp32_cpu(weight) && x.dim() == 2, "rms_norm: fp32 [T, H]");
+  at::Tensor sum = residual.has_value() && residual->defined() ? x + *residual : x.contiguous();
+  at::Tensor out = at::empty_like(sum);
+  const int64_t H = sum.size(1);
+  const at::Tensor w = weight.contiguous();
+  at::parallel_for(0, sum.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      skiff_cpu::rms_norm_row(sum.data_ptr<float>() + t * H, w.data_ptr<float>(),
+                              out.data_ptr<float>() + t * H, H, static_cast<float>(eps));
+  });
+  return {out, sum};
+}
+
+// Neox rotary on query [T, heads, head_dim] and key [T, kv_heads, head_dim] at `positions`
+// (rows of cos_sin_cache [max_position, rot_dim]); returns rotated copies.
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
+                                                    const at::Tensor& query,
+                                                    const at::Tensor& key,
+                                                    const at::Tensor& cos_sin_cache) {
+  TORCH_CHECK(is_fp32_cpu(query) && is_fp32_cpu(key) && is_fp32_cpu(cos_sin_cache) &&
+                  positions.scalar_type() == at::kLong,
+              "rotary_embedding: fp32 query, key and cache, int64 positions");
+  at::Tensor q = query.contiguous().clone(), k = key.contiguous().clone();
+  const at::Tensor cache = cos_sin_cache.contiguous(), pos = positions.contiguous();
+  const int64_t rot_dim = cache.size(1), head_dim = q.size(2);
+  TORCH_CHECK(rot_dim <= head_dim && k.size(2) == head_dim, "rotary_embedding: head sizes");
+  const int64_t q_heads = q.size(1), k_heads = k.size(1);
+  at::parallel_for(0, q.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cs = cache.data_ptr<float>() + pos.data_ptr<int64_t>()[t] * rot_dim;
+      for (int64_t h = 0; h < q_heads; ++h)
+        skiff_cpu::rotate_head(q.data_ptr<float>() + (t * q_heads + h) * head_dim, cs, rot_dim);
+      for (int64_t h = 0; h < k_heads; ++h)
+        skiff_cpu::rotate_head(k.data_ptr<float>() + (t * k_heads + h) * head_dim, cs, rot_dim);
+    }
+  });
+  return {q, k};
+}
+
+// silu_and_mul(x [T, 2 I]) = silu(x[:, :I]) * x[:, I:].
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(is_fp32_cpu(x) && x.dim() == 2, "silu_and_mul: fp32 [T, 2 I]");
+  const at::Tensor in = x.contiguous();
+  const int64_t inter = in.size(1) / 2;
+  at::Tensor out = at::empty({in.size(0), inter}, in.options());
+  at::parallel_for(0, in.size(0), 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      skiff_cpu::silu_and_mul_row(in.data_ptr<float>() + t * 2 * inter,
+                                  out.data_ptr<float>() + t * inter, inter);
+  });
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& hidden,      // [B, H]
     const at::Tensor& residual,    // [B, H]
@@ -303,10 +362,18 @@ TORCH_LIBRARY(skiff_cpu, m) {
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor block_table, float scale, "
       "int block_size) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache) -> "
+      "(Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(skiff_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("decode_layer", &decode_layer);
   m.impl("paged_attention", &paged_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
 }

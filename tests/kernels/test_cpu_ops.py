@@ -1,6 +1,8 @@
-"""`skiff_cpu::linear` (kernels/csrc/cpu_ops.cpp) against a float64 reference: every tile
-remainder, chunk boundary and weight-row tail, bias, non-contiguous inputs and the shapes it
-hands back to torch."""
+"""The C++ CPU ops (kernels/csrc/cpu_ops.cpp) against their references: `linear` against
+float64 (every tile remainder, chunk boundary and weight-row tail, bias, non-contiguous inputs,
+lower-precision weights, the shapes it hands back to torch) and the elementwise ops against
+kernels/reference.py. Attention: tests/worker/test_torch_backend.py; the fused decode layer:
+tests/worker/test_cpu_decode.py."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from kernels import cpu_ops, ops
+from kernels import reference as torch_reference
 from services.worker.weight_format import INT8_GROUP, quantize_int8
 
 pytestmark = pytest.mark.unit
@@ -102,3 +105,41 @@ def test_ops_linear_routes_cpu_tensors_to_the_kernel():
     with torch.profiler.profile() as prof:
         ops.linear(x, weight)
     assert "skiff_cpu::linear" in {event.name for event in prof.events()}
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 33])
+@pytest.mark.parametrize("hidden", [16, 40, 576])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(num_tokens, hidden, with_residual):
+    gen = torch.Generator().manual_seed(num_tokens * hidden)
+    x = torch.randn(num_tokens, hidden, generator=gen) * 3
+    weight = torch.randn(hidden, generator=gen)
+    residual = torch.randn(num_tokens, hidden, generator=gen) if with_residual else None
+    got = torch.ops.skiff_cpu.rms_norm(x, weight, 1e-6, residual)
+    want = torch_reference.rms_norm(x, weight, 1e-6, residual)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("head_dim", "rot_dim"), [(64, 64), (32, 16), (80, 80)])
+def test_rotary_embedding_matches_reference(head_dim, rot_dim):
+    gen = torch.Generator().manual_seed(head_dim + rot_dim)
+    angles = torch.rand(300, rot_dim // 2, generator=gen) * 50
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    positions = torch.randint(0, 300, (11,), generator=gen)
+    qkv = torch.randn(11, 6 * head_dim, generator=gen)
+    query = qkv[:, : 4 * head_dim].view(11, 4, head_dim)  # views of a fused row, as the model
+    key = qkv[:, 4 * head_dim :].view(11, 2, head_dim)
+    got = torch.ops.skiff_cpu.rotary_embedding(positions, query, key, cache)
+    want = torch_reference.rotary_embedding(positions, query, key, cache)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("intermediate", [8, 40, 1536])
+def test_silu_and_mul_matches_reference(intermediate):
+    gen = torch.Generator().manual_seed(intermediate)
+    x = torch.randn(9, 2 * intermediate, generator=gen) * 6  # exp of large and small gates
+    x[0, :4] = torch.tensor([-100.0, 100.0, -90.0, 0.0])
+    got = torch.ops.skiff_cpu.silu_and_mul(x)
+    torch.testing.assert_close(got, torch_reference.silu_and_mul(x), rtol=1e-5, atol=1e-6)
