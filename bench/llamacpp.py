@@ -283,6 +283,9 @@ def single_stream(llama: LlamaCpp, threads: list[int], new_tokens: int = 64) -> 
         raise LlamaCppUnavailable(str(e)) from e
 
 
+SERVER_ATTEMPTS = 2
+
+
 def serve_workload(
     llama: LlamaCpp,
     prompts: list[list[int]],
@@ -304,22 +307,27 @@ def serve_workload(
     per_slot = ctx_per_slot(prompts, outputs)
     rates: dict[tuple[int, int], float] = {}
     for slots, threads in itertools.product(slot_counts, thread_counts):
-        port = free_port()
-        cmd = server_command(llama, port, slots, per_slot, threads)
-        log = log_dir / f"llama-server-np{slots}-t{threads}.log"
-        with LlamaServer(cmd, port, log) as server:
+        for attempt in range(SERVER_ATTEMPTS):  # a server that dies mid-run gets a second go
+            port = free_port()
+            cmd = server_command(llama, port, slots, per_slot, threads)
+            log = log_dir / f"llama-server-np{slots}-t{threads}-{attempt}.log"
+            with LlamaServer(cmd, port, log) as server:
 
-            async def run(url: str = server.url) -> float:
-                limits = httpx.Limits(max_connections=256)
-                async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-                    await stream_completion(client, url, prompts[0], 4)  # warm-up
-                    elapsed, _ = await run_at(client, url, prompts, outputs, len(prompts))
-                return sum(outputs) / elapsed
+                async def run(url: str = server.url) -> float:
+                    limits = httpx.Limits(max_connections=256)
+                    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+                        await stream_completion(client, url, prompts[0], 4)  # warm-up
+                        elapsed, _ = await run_at(client, url, prompts, outputs, len(prompts))
+                    return sum(outputs) / elapsed
 
-            try:
-                rate = rates[slots, threads] = asyncio.run(run())
-            except (httpx.HTTPError, RuntimeError) as e:
-                raise LlamaCppUnavailable(f"llama-server -np {slots} -t {threads}: {e}") from e
+                try:
+                    rate = rates[slots, threads] = asyncio.run(run())
+                    break
+                except (httpx.HTTPError, RuntimeError) as e:
+                    failure = f"llama-server -np {slots} -t {threads}: {e} (log: {log})"
+                    print(f"llama.cpp attempt {attempt + 1} failed: {failure}")
+        else:
+            raise LlamaCppUnavailable(failure)
         print(f"llama.cpp llama-server, {slots} slots, {threads} threads: {rate:.1f} output tok/s")
     return rates
 
