@@ -1,9 +1,14 @@
 """The CPU worker's C++ ops (`kernels/csrc/`), registered as `torch.ops.skiff_cpu.*`:
 
-- `linear(x, weight, bias)`: fp32 `x @ weight^T + bias` that streams the weight at close to
-  the memory bandwidth (a decode step multiplies a few token rows by every matrix);
-- `decode_layer(...)`: a whole decoder layer of a decode-only step in one call (see
-  `services/worker/cpu_decode.py`).
+- `linear(x, weight, bias, weight_scale)`: `x @ weight^T + bias` that streams the weight
+  (fp32, bf16 or group-scaled int8) at close to the memory bandwidth: a decode step
+  multiplies a few token rows by every matrix;
+- `decode_layer(...)`: a whole decoder layer of a decode-only step in one call
+  (`services/worker/cpu_decode.py`);
+- `paged_attention(...)`: a step's tokens against the paged cache
+  (`services/worker/attention/torch_backend.py`);
+- `rms_norm`, `rotary_embedding`, `silu_and_mul`: the model's elementwise ops
+  (`kernels/ops.py` dispatches CPU fp32 tensors to all but `decode_layer`).
 
 They are compiled on first use with the machine's C++ compiler (torch's extension builder and
 ninja) into the cache folder, keyed by the sources and the torch version, so later processes

@@ -31,7 +31,7 @@ def use_triton(t: torch.Tensor) -> bool:
     return _triton_on_cpu and t.device.type == "cpu" and interpreting()
 
 
-def _cpu_ops(x: torch.Tensor) -> bool:
+def use_cpu_ops(x: torch.Tensor) -> bool:
     """Whether an op on `x` runs the C++ CPU op (kernels/cpu_ops.py) rather than the reference."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_ops.active()
 
@@ -43,9 +43,10 @@ def linear(
     weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., in] @ weight[out, in]^T + bias -> [..., out]. On the CPU, once `cpu_ops.load()`
-    has succeeded, the C++ kernel (fp32, bf16, or int8 weights with `weight_scale` [out]; it
-    hands shapes it does not cover back to torch); `F.linear` elsewhere."""
-    if x.device.type == "cpu" and cpu_ops.active():
+    has succeeded, the C++ kernel (fp32, bf16, or int8 weights with their group scales
+    `weight_scale` [out, in / 32]; it hands shapes it does not cover back to torch);
+    `F.linear` elsewhere."""
+    if use_cpu_ops(x):
         return torch.ops.skiff_cpu.linear(x, weight, bias, weight_scale)
     return F.linear(x, weight, bias)
 
@@ -58,7 +59,7 @@ def rms_norm(
         from kernels import rms_norm as kernel
 
         return kernel.rms_norm(x, weight, eps, residual)
-    if _cpu_ops(x):
+    if use_cpu_ops(x):
         return torch.ops.skiff_cpu.rms_norm(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
 
@@ -71,7 +72,7 @@ def rotary_embedding(
         from kernels import rotary as kernel
 
         return kernel.rotary_embedding(positions, query, key, cos_sin_cache)
-    if _cpu_ops(query):
+    if use_cpu_ops(query):
         return torch.ops.skiff_cpu.rotary_embedding(positions, query, key, cos_sin_cache)
     return reference.rotary_embedding(positions, query, key, cos_sin_cache)
 
@@ -82,7 +83,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from kernels import activation as kernel
 
         return kernel.silu_and_mul(x)
-    if _cpu_ops(x):
+    if use_cpu_ops(x):
         return torch.ops.skiff_cpu.silu_and_mul(x)
     return reference.silu_and_mul(x)
 

@@ -137,6 +137,14 @@ float exp_shifted(float* s, int64_t n, float shift) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// Where head `kv_head` of context position t starts in a [num_slots, kv_heads, head_dim] cache.
+inline int64_t head_offset(const int32_t* block_table, int64_t t, int64_t block_size,
+                           int64_t num_kv_heads, int64_t kv_head, int64_t head_dim) {
+  const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size +
+                       t % block_size;
+  return (slot * num_kv_heads + kv_head) * head_dim;
+}
+
 // out[0 : 16 C] = sum over t < context_len of p[t] * V[t] for one KV head, in registers.
 template <int C>
 void weighted_sum(const float* p, const float* value_cache, const int32_t* block_table,
@@ -146,9 +154,8 @@ void weighted_sum(const float* p, const float* value_cache, const int32_t* block
   __m512 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < context_len; ++t) {
-    const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size +
-                         t % block_size;
-    const float* v = value_cache + (slot * num_kv_heads + kv_head) * head_dim;
+    const float* v =
+        value_cache + head_offset(block_table, t, block_size, num_kv_heads, kv_head, head_dim);
     const __m512 pt = _mm512_set1_ps(p[t]);
     for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16 * c), acc[c]);
   }
@@ -192,14 +199,12 @@ void attend(const float* q, int64_t group, const float* key_cache, const float* 
             const int32_t* block_table, int64_t context_len, int64_t block_size,
             int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, float scale,
             float* scores, float* out, int64_t out_stride) {
-  auto head_offset = [&](int64_t t) {
-    const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size +
-                         t % block_size;
-    return (slot * num_kv_heads + kv_head) * head_dim;
+  auto offset = [&](int64_t t) {
+    return head_offset(block_table, t, block_size, num_kv_heads, kv_head, head_dim);
   };
   // Scores: each key is read once for all query heads of its group.
   for (int64_t t = 0; t < context_len; ++t) {
-    const float* k = key_cache + head_offset(t);
+    const float* k = key_cache + offset(t);
     for (int64_t h = 0; h < group; ++h)
       scores[h * context_len + t] = dot(q + h * head_dim, k, head_dim) * scale;
   }
@@ -229,7 +234,7 @@ void attend(const float* q, int64_t group, const float* key_cache, const float* 
       default: {  // head_dim > 128: accumulate in `o` itself
         for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_setzero_ps());
         for (int64_t t = 0; t < context_len; ++t) {
-          const float* v = value_cache + head_offset(t);
+          const float* v = value_cache + offset(t);
           const __m512 pt = _mm512_set1_ps(p[t]);
           for (int64_t d = 0; d < head_dim; d += 16)
             _mm512_storeu_ps(o + d, _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + d), _mm512_loadu_ps(o + d)));

@@ -122,19 +122,6 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
-// x = hidden + residual and out = rms_norm(x) * weight, row by row; -> (out, x).
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden,
-                                                const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps) {
-  at::Tensor x = hidden + residual;  // [B, H]
-  at::Tensor out = at::empty_like(x);
-  const int64_t H = x.size(1);
-  for (int64_t b = 0; b < x.size(0); ++b)
-    skiff_cpu::rms_norm_row(x.data_ptr<float>() + b * H, weight.data_ptr<float>(),
-                            out.data_ptr<float>() + b * H, H, static_cast<float>(eps));
-  return {out, x};
-}
-
 // Causal attention of tokens against the paged cache, one task per (token, KV head):
 // token i (its query heads at q + i * q_row_stride, [heads, head_dim]) belongs to request
 // token_request[i] and sees that request's positions [0, context_lens[i]). Writes out
@@ -294,7 +281,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
               "decode_layer: QKV weight or rotary size does not match the heads");
 
   // Residual add, RMSNorm, QKV projection.
-  auto [normed, x] = add_rms_norm(hidden, residual, input_norm, eps);
+  auto [normed, x] = rms_norm(hidden, input_norm, eps, residual);
   at::Tensor qkv = project(normed, qkv_weight, qkv_scale);  // [B, q + 2 kv]
   if (qkv_bias.has_value() && qkv_bias->defined()) qkv.add_(*qkv_bias);
 
@@ -331,16 +318,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
   // Output projection, residual add, RMSNorm, MLP.
   at::Tensor attn_out = project(attn, o_weight, o_scale);  // [B, H]
-  auto [normed2, x2] = add_rms_norm(attn_out, x, post_norm, eps);
+  auto [normed2, x2] = rms_norm(attn_out, post_norm, eps, x);
   at::Tensor gate_up = project(normed2, gate_up_weight, gate_up_scale);  // [B, 2 I]
-  const int64_t inter = gate_up.size(1) / 2;
-  at::Tensor act = at::empty({batch, inter}, hidden.options());  // [B, I]
-  at::parallel_for(0, batch, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      skiff_cpu::silu_and_mul_row(gate_up.data_ptr<float>() + b * 2 * inter,
-                                  act.data_ptr<float>() + b * inter, inter);
-  });
-  return {project(act, down_weight, down_scale), x2};
+  return {project(silu_and_mul(gate_up), down_weight, down_scale), x2};
 }
 
 }  // namespace

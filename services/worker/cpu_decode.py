@@ -14,6 +14,7 @@ import torch
 from kernels import cpu_ops
 from services.worker.attention import AttentionMetadata
 from services.worker.models.decoder import DecoderForCausalLM
+from services.worker.models.layers import weight_scale
 
 
 class CompiledDecode:
@@ -83,7 +84,6 @@ def _layer_args(layer: torch.nn.Module, kv_cache: torch.Tensor) -> tuple[_Args, 
         layer.post_attention_layernorm.weight,
         mlp.gate_up_proj.weight,
         mlp.down_proj.weight,
-        # int8 weights' group scales (services/worker/weight_format.py)
-        *(getattr(p, "weight_scale", None) for p in projections),
+        *(weight_scale(p) for p in projections),
     )
     return pre, (slots[0], slots[1]), post

@@ -1,5 +1,5 @@
-"""The CPU attention backends (plain torch, and the C++ op `skiff_cpu::paged_attention`) against
-the plain per-request reference, on mixed batches."""
+"""The CPU attention backend, through the C++ op `skiff_cpu::paged_attention` and through plain
+torch (C++ ops off), against the plain per-request reference, on mixed batches."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 from kernels import cpu_ops
 from kernels.reference import paged_attention
 from services.worker.attention import AttentionMetadata
-from services.worker.attention.cpu_ops_backend import CpuOpsAttentionBackend
 from services.worker.attention.torch_backend import TorchAttentionBackend
 
 
@@ -52,12 +51,15 @@ def test_mixed_batch_matches_reference(backend, seed, heads, kv_heads, dim):
         seq_lens_cpu=seq_lens,
     )
     cache_ref = kv_cache.clone()
-    if backend == "torch":
+    assert cpu_ops.load()
+    cpu_ops.use(backend == "cpu_ops")
+    try:
         out = TorchAttentionBackend().forward(q, k, v, kv_cache, meta, scale=dim**-0.5)
+    finally:
+        cpu_ops.use(True)
+    if backend == "torch":
         assert len(meta.backend_state.decodes) >= 3
     else:
-        assert cpu_ops.load()
-        out = CpuOpsAttentionBackend().forward(q, k, v, kv_cache, meta, scale=dim**-0.5)
         assert meta.backend_state is None  # the C++ op ran, not the torch fallback
     flat = cache_ref.view(2, -1, kv_heads, dim)
     flat[0, slots], flat[1, slots] = k, v

@@ -1,8 +1,14 @@
-"""Plain-torch paged attention for the CPU.
+"""Paged attention for the CPU.
 
-Decode requests (one query token) are batched into a few SDPA calls, grouped by context length
-so that padding to the group's longest context stays small; prefill chunks run one request at
-a time. Keys and values are gathered from the paged cache with one `index_select` per group.
+Where the C++ CPU ops run (kernels/cpu_ops.py; fp32, head_dim a multiple of 16), every token
+of a step, decode and prefill alike, goes through `skiff_cpu::paged_attention`: it reads its
+request's context in place through the block table, one task per (token, KV head), each key
+and value read once for the query heads that share it.
+
+Otherwise plain torch: decode requests (one query token) are batched into a few SDPA calls,
+grouped by context length so that padding to the group's longest context stays small; prefill
+chunks run one request at a time. Keys and values are gathered from the paged cache with one
+`index_select` per group.
 """
 
 from __future__ import annotations
@@ -94,6 +100,12 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         ops.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        if ops.use_cpu_ops(query) and query.shape[-1] % 16 == 0:
+            slots = kv_cache.flatten(1, 2)  # [2, num_slots, kv_heads, head_dim]
+            return torch.ops.skiff_cpu.paged_attention(
+                query.contiguous(), slots[0], slots[1], meta.query_start_loc, meta.seq_lens,
+                meta.block_table, scale, kv_cache.shape[2],
+            )  # fmt: skip
         if meta.backend_state is None:
             meta.backend_state = _plan(meta, kv_cache.shape[2])
         plan: _StepPlan = meta.backend_state

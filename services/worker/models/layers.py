@@ -10,10 +10,14 @@ from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.model_config import ModelConfig, rope_inv_freq
 
 
+def weight_scale(module: nn.Module) -> torch.Tensor | None:
+    """The group scales an int8 weight carries (services/worker/weight_format.py), else None."""
+    return getattr(module, "weight_scale", None)
+
+
 def project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)` through `ops.linear`; an int8 weight carries its row scales as
-    `weight_scale` (services/worker/weight_format.py)."""
-    return ops.linear(x, module.weight, module.bias, getattr(module, "weight_scale", None))
+    """`module(x)` through `ops.linear`, int8 weights with their scales."""
+    return ops.linear(x, module.weight, module.bias, weight_scale(module))
 
 
 class RMSNorm(nn.Module):
