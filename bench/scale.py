@@ -36,7 +36,8 @@ from services.worker.config import SimConfig
 from shared import bus
 from shared.config import DEFAULT_SUBJECT_PREFIX, SchedulerConfig, SchedulerServiceConfig
 from shared.default_model import DEFAULT_MODEL_NAME
-from shared.protocol import (
+from shared.subjects import Subjects, shard_prefixes
+from shared.wire import (
     OutputBatch,
     SamplingParams,
     SchedulerStats,
@@ -45,7 +46,6 @@ from shared.protocol import (
     SubmitRequest,
     decoder,
 )
-from shared.subjects import Subjects, shard_prefixes
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN = 128

@@ -15,8 +15,8 @@ from services.scheduler.main import tune_gc
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from shared.config import SchedulerConfig
-from shared.protocol import BatchPlan, ModelRunnerOutput, decoder, encode
 from shared.sampling_params import SamplingParams
+from shared.wire import BatchPlan, ModelRunnerOutput, decoder, encode
 
 
 def make_core(num_reqs: int, prompt_len: int, steps: int) -> Scheduler:

@@ -21,7 +21,6 @@ from services.scheduler.scheduler import RequestOutput, Scheduler, plan_has_work
 from services.worker.config import RunnerConfig
 from services.worker.model_runner import build_runner
 from shared.config import SchedulerConfig
-from shared.protocol import BatchPlan, ModelRunnerOutput, TokenLogprobs, decoder, encode
 from shared.sampling_params import (
     SamplingParams,
     check_prompt_fits,
@@ -29,6 +28,7 @@ from shared.sampling_params import (
     validate_sampling_params,
 )
 from shared.tokenizer import Tokenizer
+from shared.wire import BatchPlan, ModelRunnerOutput, TokenLogprobs, decoder, encode
 
 __all__ = ["LLM", "CompletionOutput", "GenerationOutput", "SamplingParams"]
 

@@ -1,7 +1,7 @@
 """The one way onto NATS for every service: connection options (credentials, TLS), typed
 publish / subscribe, request-reply, and version checks.
 
-Messages are the structs of `shared.protocol`. A message larger than the server's payload limit
+Messages are the structs of `shared.wire`. A message larger than the server's payload limit
 (1 MiB by default) is published as numbered parts carrying `Skiff-Msg` / `Skiff-Part` headers
 and joined again by `Reassembler` before decoding. Request-reply messages are never split: a
 request or reply over the limit raises `nats.errors.MaxPayloadError`.
@@ -31,7 +31,7 @@ from nats.aio.subscription import Subscription
 from shared.cli_args import env_var
 from shared.config import NatsClientConfig
 from shared.nats_auth import inbox_prefix
-from shared.protocol import PROTOCOL_VERSION, decoder, encode
+from shared.wire import PROTOCOL_VERSION, decoder, encode
 
 log = logging.getLogger("skiff.bus")
 

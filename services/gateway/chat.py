@@ -13,13 +13,13 @@ from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError
 from services.gateway.generation import Generation
 from services.gateway.logprobs import chat_logprobs, prompt_logprobs_body
-from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.sampling import (
     api_field_names,
     build_sampling_params,
     check_sizes,
     stop_strings,
 )
+from services.gateway.schemas import ChatCompletionRequest
 from services.gateway.serving import (
     Payload,
     check_num_choices,

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.stop_strings import StopStringMatcher
-from shared.protocol import TokenDelta, TokenLogprobs
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
+from shared.wire import TokenDelta, TokenLogprobs
 
 
 @dataclass

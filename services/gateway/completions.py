@@ -15,8 +15,8 @@ from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.errors import APIError
 from services.gateway.generation import Generation
 from services.gateway.logprobs import completion_logprobs, prompt_logprobs_body
-from services.gateway.protocol import CompletionRequest
 from services.gateway.sampling import build_sampling_params, check_sizes, stop_strings
+from services.gateway.schemas import CompletionRequest
 from services.gateway.serving import (
     Payload,
     check_num_choices,

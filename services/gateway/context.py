@@ -14,7 +14,7 @@ from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompt_encoder import PromptEncoder
-from services.gateway.protocol import ChatMessage, FunctionCall, Tool
+from services.gateway.schemas import ChatMessage, FunctionCall, Tool
 from services.gateway.structured import StructureChecker
 from services.gateway.tool_calls import OutputParser
 from services.gateway.tool_parsers import detect_tool_parser, tool_parser

@@ -23,8 +23,8 @@ from services.gateway.request_stream import EngineError, RequestStream
 from services.gateway.shards import Shards
 from shared.bus import ConnectOptions
 from shared.config import DEFAULT_SUBJECT_PREFIX
-from shared.protocol import SubmitRequest
 from shared.subjects import SUBJECT_TOKEN
+from shared.wire import SubmitRequest
 
 __all__ = ["EngineClient", "EngineError", "NatsEngineClient", "RequestStream"]
 

@@ -20,8 +20,8 @@ from services.gateway.errors import APIError
 from services.gateway.metrics import ChoiceTimer, GatewayMetrics
 from services.gateway.tracing import ChoiceSpans
 from shared import tracing
-from shared.protocol import SubmitRequest
 from shared.tokenizer import Tokenizer
+from shared.wire import SubmitRequest
 
 logger = logging.getLogger(__name__)
 

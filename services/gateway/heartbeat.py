@@ -10,7 +10,7 @@ import logging
 import nats.errors
 
 from services.gateway.nats_transport import NatsTransport
-from shared.protocol import GatewayHeartbeat
+from shared.wire import GatewayHeartbeat
 
 logger = logging.getLogger(__name__)
 

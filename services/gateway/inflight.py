@@ -31,7 +31,7 @@ import msgspec
 
 from services.gateway.nats_transport import NatsTransport
 from services.gateway.request_stream import EngineError, RequestStream
-from shared.protocol import OutputBatch, SubmitRequest
+from shared.wire import OutputBatch, SubmitRequest
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from shared.protocol import TokenLogprobs
 from shared.tokenizer import Tokenizer
+from shared.wire import TokenLogprobs
 
 _FLOOR = -9999.0
 

@@ -28,7 +28,7 @@ from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.context import GatewayContext
 from services.gateway.engine_client import EngineError, NatsEngineClient
-from services.gateway.http_protocol import with_header_timeout
+from services.gateway.header_timeout import with_header_timeout
 from shared import tracing
 from shared.bus import ConnectOptions
 from shared.cli_args import ConfigParser

@@ -24,14 +24,14 @@ from services.gateway.request_stream import EngineError
 from services.gateway.shards import Shards
 from shared import bus
 from shared.epochs import supersedes
-from shared.protocol import (
+from shared.subjects import Subjects
+from shared.wire import (
     AbortRequests,
     OutputBatch,
     SchedulerHeartbeat,
     SubmitReply,
     SubmitRequest,
 )
-from shared.subjects import Subjects
 
 logger = logging.getLogger(__name__)
 

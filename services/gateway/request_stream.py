@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.protocol import TokenDelta
+from shared.wire import TokenDelta
 
 
 class EngineError(Exception):

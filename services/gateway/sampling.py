@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 from services.gateway.errors import APIError
 from services.gateway.prompt_encoder import PromptEncoder
-from services.gateway.protocol import SamplingFields
+from services.gateway.schemas import SamplingFields
 from shared.sampling_params import SamplingParams, SamplingParamsError, validate_sampling_params
 from shared.structured_outputs import StructuredOutputsParams
 from shared.tokenizer import Tokenizer

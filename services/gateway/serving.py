@@ -14,7 +14,7 @@ from services.gateway.choice import ChoiceState, ChoiceUpdate
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, error_body
 from services.gateway.generation import Generation
-from services.gateway.protocol import MAX_N
+from services.gateway.schemas import MAX_N
 from services.gateway.sse import DONE, KEEPALIVE, run_until_disconnect, sse
 from shared.logs import request_id_var
 

@@ -16,8 +16,8 @@ import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
-from shared.protocol import SchedulerHeartbeat
 from shared.subjects import Subjects, shard_prefixes
+from shared.wire import SchedulerHeartbeat
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import APIError
-from services.gateway.protocol import (
+from services.gateway.schemas import (
     ResponseFormat,
     StructuredOutputsFields,
     StructuredOutputsRequest,

@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError
 from services.gateway.prompt_encoder import SMALL_INPUT
-from services.gateway.protocol import (
+from services.gateway.schemas import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,

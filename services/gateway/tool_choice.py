@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import APIError
-from services.gateway.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from services.gateway.schemas import ChatCompletionRequest, NamedToolChoice, Tool
 from services.gateway.tool_calls import (
     CallScanner,
     ContentParser,

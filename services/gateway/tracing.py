@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.gateway.choice import ChoiceSpec, ChoiceState, ChoiceUpdate
 from shared import tracing
 from shared.logs import request_id_var
-from shared.protocol import TokenDelta
+from shared.wire import TokenDelta
 
 
 class TracingMiddleware:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from services.scheduler.placement import Placement
 from services.scheduler.worker_pool import WorkerPool
-from shared.protocol import SubmitReply, SubmitRequest
 from shared.sampling_params import (
     SamplingParamsError,
     check_prompt_fits,
     validate_sampling_params,
 )
+from shared.wire import SubmitReply, SubmitRequest
 
 
 class Admission:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from shared.protocol import GatewayHeartbeat
+from shared.wire import GatewayHeartbeat
 
 
 class GatewayLiveness:

@@ -13,7 +13,7 @@ from services.scheduler.probe import HealthProbe
 from services.scheduler.request import Request
 from services.scheduler.worker_driver import WorkerDriver
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
-from shared.protocol import ModelRunnerOutput, WorkerGoodbye, WorkerHello
+from shared.wire import ModelRunnerOutput, WorkerGoodbye, WorkerHello
 
 log = logging.getLogger("skiff.scheduler")
 

@@ -7,8 +7,8 @@ from collections import defaultdict
 
 from services.scheduler.scheduler import RequestOutput
 from services.scheduler.worker_driver import Publish
-from shared.protocol import OutputBatch, TokenDelta
 from shared.subjects import Subjects
+from shared.wire import OutputBatch, TokenDelta
 
 
 class OutputRouter:

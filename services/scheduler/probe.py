@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from services.scheduler.worker_driver import Publish
 from services.scheduler.worker_pool import WorkerHandle
-from shared.protocol import BatchPlan, ModelRunnerOutput
+from shared.wire import BatchPlan, ModelRunnerOutput
 
 log = logging.getLogger("skiff.scheduler")
 

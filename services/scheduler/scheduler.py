@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from shared.config import SchedulerConfig
-from shared.protocol import (
+from shared.wire import (
     BatchPlan,
     CachedRequestData,
     ModelRunnerOutput,

@@ -32,7 +32,8 @@ from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared import bus, tracing
 from shared.config import SchedulerConfig, SchedulerServiceConfig
 from shared.epochs import new_epoch
-from shared.protocol import (
+from shared.subjects import Subjects
+from shared.wire import (
     AbortRequests,
     GatewayHeartbeat,
     ModelRunnerOutput,
@@ -44,7 +45,6 @@ from shared.protocol import (
     WorkerGoodbye,
     WorkerHello,
 )
-from shared.subjects import Subjects
 
 log = logging.getLogger("skiff.scheduler")
 

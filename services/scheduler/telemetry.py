@@ -9,7 +9,7 @@ from prometheus_client import Counter
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import Placement
 from services.scheduler.worker_pool import WorkerPool
-from shared.protocol import SchedulerHeartbeat, SchedulerStats, WorkerStats
+from shared.wire import SchedulerHeartbeat, SchedulerStats, WorkerStats
 
 
 class Telemetry:

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shared.protocol import BatchPlan
 from shared.tracing import Tracer
+from shared.wire import BatchPlan
 
 
 @dataclass

@@ -18,7 +18,7 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import RequestOutput, plan_has_work
 from services.scheduler.tracing import RequestTraces
 from services.scheduler.worker_pool import WorkerHandle
-from shared.protocol import BatchPlan, ModelRunnerOutput
+from shared.wire import BatchPlan, ModelRunnerOutput
 
 log = logging.getLogger("skiff.scheduler")
 

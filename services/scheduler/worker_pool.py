@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from shared.config import SchedulerConfig
-from shared.protocol import WorkerHello, WorkerStats
+from shared.wire import WorkerHello, WorkerStats
 
 
 @dataclass

@@ -15,8 +15,8 @@ import numpy as np
 
 from services.worker.grammar import advance
 from services.worker.sampling_columns import SamplingColumns
-from shared.protocol import BatchPlan, NewRequestData
 from shared.sampling_params import SamplingParams
+from shared.wire import BatchPlan, NewRequestData
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher

@@ -29,7 +29,7 @@ from services.worker.sampler.metadata import GrammarMask
 from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.step_timer import StepTimer
 from services.worker.weight_format import convert_weights
-from shared.protocol import BatchPlan, ModelRunnerOutput, TokenLogprobs
+from shared.wire import BatchPlan, ModelRunnerOutput, TokenLogprobs
 
 
 @dataclass

@@ -22,8 +22,8 @@ from services.worker.tracing import BatchTraces
 from shared import bus, tracing
 from shared.config import WorkerServiceConfig
 from shared.epochs import STALE_EPOCH_SILENCE_S, EpochFollower
-from shared.protocol import BatchPlan, ModelRunnerOutput, WorkerGoodbye, WorkerHello
 from shared.subjects import Subjects, worker_prefix
+from shared.wire import BatchPlan, ModelRunnerOutput, WorkerGoodbye, WorkerHello
 
 log = logging.getLogger("skiff.worker")
 T = TypeVar("T")

@@ -27,7 +27,7 @@ import numpy as np
 from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig
 from services.worker.input_batch import CachedRequestState, InputBatch, apply_plan_diff
 from services.worker.step_timer import StepTimer
-from shared.protocol import BatchPlan, ModelRunnerOutput, NewRequestData, TokenLogprobs
+from shared.wire import BatchPlan, ModelRunnerOutput, NewRequestData, TokenLogprobs
 
 # KV cache of one H200 serving an 8B model. Llama-3-8B stores K and V for 32 layers x 8 KV heads
 # x 128 dims in bf16: 128 KiB per token. 141 GB x 0.9 (vLLM's gpu_memory_utilization) is

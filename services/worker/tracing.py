@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.protocol import BatchPlan
 from shared.tracing import Tracer
+from shared.wire import BatchPlan
 
 
 class BatchTraces:

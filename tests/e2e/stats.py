@@ -8,8 +8,8 @@ import msgspec
 
 from shared import bus
 from shared.config import DEFAULT_SUBJECT_PREFIX
-from shared.protocol import SchedulerStats, SchedulerStatsRequest
 from shared.subjects import Subjects
+from shared.wire import SchedulerStats, SchedulerStatsRequest
 
 
 def scheduler_stats(stack, prefix: str = DEFAULT_SUBJECT_PREFIX) -> dict:

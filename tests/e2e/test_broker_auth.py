@@ -24,14 +24,14 @@ from openai import AsyncOpenAI, OpenAI
 
 from services.worker.config import SimConfig
 from shared import bus
-from shared.protocol import (
+from shared.sampling_params import SamplingParams
+from shared.subjects import Subjects
+from shared.wire import (
     BatchPlan,
     SchedulerHeartbeat,
     SubmitRequest,
     WorkerHello,
 )
-from shared.sampling_params import SamplingParams
-from shared.subjects import Subjects
 from tests.e2e.stats import scheduler_stats
 
 MODEL = "SmolLM2-135M-Instruct"

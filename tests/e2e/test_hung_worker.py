@@ -21,8 +21,8 @@ from services.launcher import Stack, StackConfig, free_port
 from services.worker.config import SimConfig
 from shared import bus
 from shared.config import SchedulerConfig, SchedulerServiceConfig
-from shared.protocol import WorkerHello, decoder
 from shared.subjects import Subjects
+from shared.wire import WorkerHello, decoder
 from tests.e2e.stats import scheduler_stats
 from tests.e2e.test_shards import stream_tokens
 from tests.e2e.test_sim_worker import PROMPT, expected_tokens

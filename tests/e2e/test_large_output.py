@@ -13,8 +13,8 @@ import pytest
 from openai import OpenAI
 
 from services.offline import SamplingParams
-from shared.protocol import OutputBatch, TokenDelta, TokenLogprobs, encode
 from shared.tokenizer import Tokenizer
+from shared.wire import OutputBatch, TokenDelta, TokenLogprobs, encode
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_PAYLOAD = 64 * 1024

@@ -19,8 +19,8 @@ from openai import AsyncOpenAI
 from services.worker.config import SimConfig
 from shared import bus
 from shared.config import SchedulerServiceConfig
-from shared.protocol import SchedulerHeartbeat
 from shared.subjects import Subjects
+from shared.wire import SchedulerHeartbeat
 from tests.e2e.test_shards import stream_tokens
 from tests.e2e.test_sim_worker import PROMPT, expected_tokens
 

@@ -12,7 +12,9 @@ from bench.workload import token_prompts
 from services.launcher import Stack, StackConfig
 from shared import bus
 from shared.config import SchedulerConfig, SchedulerServiceConfig
-from shared.protocol import (
+from shared.subjects import Subjects
+from shared.tokenizer import Tokenizer
+from shared.wire import (
     OutputBatch,
     SamplingParams,
     SchedulerStats,
@@ -20,8 +22,6 @@ from shared.protocol import (
     SubmitReply,
     SubmitRequest,
 )
-from shared.subjects import Subjects
-from shared.tokenizer import Tokenizer
 
 NEW_TOKENS = 40
 

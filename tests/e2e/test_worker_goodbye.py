@@ -23,8 +23,8 @@ from services.launcher import Stack, StackConfig, free_port
 from services.worker.config import SimConfig
 from shared import bus
 from shared.config import SchedulerConfig, SchedulerServiceConfig
-from shared.protocol import SchedulerStats, SchedulerStatsRequest
 from shared.subjects import Subjects
+from shared.wire import SchedulerStats, SchedulerStatsRequest
 from tests.e2e.test_shards import stream_tokens
 from tests.e2e.test_sim_worker import PROMPT, expected_tokens
 from tests.e2e.worker_processes import start_with_worker_processes

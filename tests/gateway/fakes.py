@@ -11,12 +11,12 @@ import httpx
 from services.gateway.app import create_app
 from services.gateway.engine_client import EngineError, RequestStream
 from shared.default_model import DEFAULT_MODEL_NAME
-from shared.protocol import (
+from shared.tokenizer import Tokenizer
+from shared.wire import (
     SubmitRequest,
     TokenDelta,
     TokenLogprobs,
 )
-from shared.tokenizer import Tokenizer
 
 MODEL = DEFAULT_MODEL_NAME
 MAX_MODEL_LEN = 256

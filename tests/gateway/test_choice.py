@@ -10,11 +10,11 @@ import hypothesis.strategies as st
 
 from services.gateway.choice import ChoiceSpec, ChoiceState
 from services.gateway.stop_strings import StopStringMatcher
-from shared.protocol import (
+from shared.tokenizer import Tokenizer
+from shared.wire import (
     SamplingParams,
     TokenDelta,
 )
-from shared.tokenizer import Tokenizer
 from tests.gateway.fakes import EOS
 
 # ---- pure logic ---------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import pytest
 
 from services.gateway.engine_client import EngineError, NatsEngineClient
 from shared import bus
-from shared.protocol import (
+from shared.subjects import Subjects, shard_prefixes
+from shared.wire import (
     AbortRequests,
     OutputBatch,
     SamplingParams,
@@ -21,7 +22,6 @@ from shared.protocol import (
     TokenDelta,
     encode,
 )
-from shared.subjects import Subjects, shard_prefixes
 
 # ---- NATS engine client -------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import pytest
 from services.gateway.inflight import InFlightRequests
 from services.gateway.request_stream import EngineError
 from services.gateway.shards import Shards
-from shared.protocol import (
+from shared.wire import (
     OutputBatch,
     SamplingParams,
     SchedulerHeartbeat,

@@ -13,7 +13,7 @@ from services.gateway.inflight import InFlightRequests
 from services.gateway.middleware import BodyLimitMiddleware
 from services.gateway.prompt_encoder import SMALL_INPUT, longest_token_chars
 from services.gateway.request_stream import EngineError
-from shared.protocol import SchedulerHeartbeat, SubmitReply
+from shared.wire import SchedulerHeartbeat, SubmitReply
 from tests.gateway.fakes import CHAT, MAX_MODEL_LEN, MODEL, C, FakeEngine, make_client
 from tests.gateway.test_inflight import FakeTransport, _request
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.gateway.shards import Shards
-from shared.protocol import SchedulerHeartbeat
+from shared.wire import SchedulerHeartbeat
 
 
 def _beat(epoch: str = "e", workers: int = 1, running: int = 0, waiting: int = 0, **kw):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from services.gateway.errors import APIError
-from services.gateway.protocol import Tool
+from services.gateway.schemas import Tool
 from services.gateway.tool_calls import OutputParser, ParsedDelta, parse_all
 from services.gateway.tool_choice import (
     NamedToolCallParser,

@@ -11,7 +11,7 @@ import torch
 
 from services.offline import LLM, SamplingParams
 from services.scheduler.request import Request
-from shared.protocol import TokenLogprobs
+from shared.wire import TokenLogprobs
 
 EOS = 1  # the tiny models' eos_token_id
 

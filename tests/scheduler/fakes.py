@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.protocol import BatchPlan, ModelRunnerOutput, WorkerHello, encode
+from shared.wire import BatchPlan, ModelRunnerOutput, WorkerHello, encode
 
 
 def make_hello(

@@ -11,8 +11,8 @@ from services.scheduler.placement import Placement
 from services.scheduler.request import Request
 from services.scheduler.worker_pool import WorkerPool
 from shared.config import SchedulerConfig
-from shared.protocol import SubmitReply, SubmitRequest
 from shared.sampling_params import SamplingParams
+from shared.wire import SubmitReply, SubmitRequest
 from tests.scheduler.fakes import make_hello
 
 

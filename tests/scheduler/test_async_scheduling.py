@@ -11,8 +11,8 @@ import pytest
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput, Scheduler, plan_has_work
 from shared.config import SchedulerConfig
-from shared.protocol import BatchPlan, ModelRunnerOutput, decoder, encode
 from shared.sampling_params import SamplingParams
+from shared.wire import BatchPlan, ModelRunnerOutput, decoder, encode
 from tests.scheduler.fakes import FakeWorker
 
 EOS = 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from services.scheduler.gateways import GatewayLiveness
-from shared.protocol import GatewayHeartbeat
+from shared.wire import GatewayHeartbeat
 
 
 def test_a_silent_gateway_is_reported_once():

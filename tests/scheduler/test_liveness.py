@@ -13,8 +13,8 @@ from services.scheduler.scheduler import RequestOutput
 from services.scheduler.worker_driver import StepDeadline, WorkerDriver
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared.config import SchedulerConfig
-from shared.protocol import BatchPlan, ModelRunnerOutput, WorkerGoodbye
 from shared.sampling_params import SamplingParams
+from shared.wire import BatchPlan, ModelRunnerOutput, WorkerGoodbye
 from tests.scheduler.fakes import FakePublisher, FakeWorker, make_hello
 
 

@@ -7,8 +7,8 @@ import asyncio
 from services.scheduler.output_router import OutputRouter
 from services.scheduler.request import FinishReason
 from services.scheduler.scheduler import RequestOutput
-from shared.protocol import OutputBatch
 from shared.subjects import Subjects
+from shared.wire import OutputBatch
 from tests.scheduler.fakes import FakePublisher
 
 

@@ -10,8 +10,8 @@ from services.scheduler.block_pool import BlockPool
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from shared.config import SchedulerConfig
-from shared.protocol import BatchPlan, ModelRunnerOutput
 from shared.sampling_params import SamplingParams
+from shared.wire import BatchPlan, ModelRunnerOutput
 
 EOS = 2
 

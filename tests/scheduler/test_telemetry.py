@@ -8,8 +8,8 @@ from services.scheduler.request import Request
 from services.scheduler.telemetry import Telemetry
 from services.scheduler.worker_pool import WorkerPool
 from shared.config import SchedulerConfig
-from shared.protocol import SchedulerStats, decoder, encode
 from shared.sampling_params import SamplingParams
+from shared.wire import SchedulerStats, decoder, encode
 from tests.scheduler.fakes import make_hello
 
 

@@ -10,8 +10,8 @@ from services.scheduler.scheduler import RequestOutput
 from services.scheduler.worker_driver import StepDeadline, WorkerDriver
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared.config import SchedulerConfig
-from shared.protocol import BatchPlan, ModelRunnerOutput
 from shared.sampling_params import SamplingParams
+from shared.wire import BatchPlan, ModelRunnerOutput
 from tests.scheduler.fakes import FakePublisher, make_hello
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from services.scheduler.request import Request
 from services.scheduler.worker_pool import WorkerPool
 from shared.config import SchedulerConfig
-from shared.protocol import ModelRunnerOutput
 from shared.sampling_params import SamplingParams
+from shared.wire import ModelRunnerOutput
 from tests.scheduler.fakes import make_hello
 
 

@@ -10,7 +10,8 @@ import nats.errors
 import pytest
 
 from shared import bus
-from shared.protocol import (
+from shared.sampling_params import SamplingParams
+from shared.wire import (
     AbortRequests,
     BatchPlan,
     NewRequestData,
@@ -18,7 +19,6 @@ from shared.protocol import (
     SubmitRequest,
     encode,
 )
-from shared.sampling_params import SamplingParams
 
 
 @pytest.fixture

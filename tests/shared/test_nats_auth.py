@@ -24,7 +24,7 @@ from shared.nats_auth import (
     permissions,
     server_config,
 )
-from shared.protocol import SchedulerStats, SchedulerStatsRequest, encode
+from shared.wire import SchedulerStats, SchedulerStatsRequest, encode
 
 
 def _user(role: str, *worker_ids: str, name: str | None = None) -> NatsUser:

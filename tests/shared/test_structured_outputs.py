@@ -8,10 +8,10 @@ import json
 import msgspec
 import pytest
 
-from shared.protocol import decoder, encode
 from shared.sampling_params import SamplingParams, SamplingParamsError, validate_sampling_params
 from shared.structured_outputs import StructuredOutputsParams as S
 from shared.structured_outputs import check_structured_outputs
+from shared.wire import decoder, encode
 
 pytestmark = pytest.mark.unit
 

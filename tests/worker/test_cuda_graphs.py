@@ -9,8 +9,8 @@ import torch
 from services.worker.config import RunnerConfig
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.model_runner import ModelRunner
-from shared.protocol import BatchPlan, CachedRequestData, NewRequestData
 from shared.sampling_params import SamplingParams
+from shared.wire import BatchPlan, CachedRequestData, NewRequestData
 
 
 def test_padded_static_decode_matches_eager(tiny_models):

@@ -15,15 +15,15 @@ from services.worker.service import WorkerService
 from services.worker.sim_runner import SimRunner
 from shared import bus
 from shared.config import WorkerServiceConfig
-from shared.protocol import (
+from shared.sampling_params import SamplingParams
+from shared.subjects import Subjects
+from shared.wire import (
     BatchPlan,
     ModelRunnerOutput,
     NewRequestData,
     WorkerGoodbye,
     WorkerHello,
 )
-from shared.sampling_params import SamplingParams
-from shared.subjects import Subjects
 
 
 def test_a_step_is_wedged_past_the_floor_and_the_factor_times_the_mean():

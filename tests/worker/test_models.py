@@ -7,8 +7,8 @@ import torch
 
 from services.worker.config import RunnerConfig
 from services.worker.model_runner import ModelRunner
-from shared.protocol import BatchPlan, CachedRequestData, NewRequestData
 from shared.sampling_params import SamplingParams
+from shared.wire import BatchPlan, CachedRequestData, NewRequestData
 
 ARCHS = ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]
 

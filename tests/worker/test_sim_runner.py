@@ -25,15 +25,15 @@ from services.worker.sim_runner import (
 )
 from shared import bus
 from shared.config import WorkerServiceConfig
-from shared.protocol import (
+from shared.sampling_params import SamplingParams
+from shared.subjects import Subjects
+from shared.wire import (
     BatchPlan,
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     WorkerHello,
 )
-from shared.sampling_params import SamplingParams
-from shared.subjects import Subjects
 
 VOCAB, EOS = 50, (1, 3)
 BS = 4  # block size

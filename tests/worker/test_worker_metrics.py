@@ -7,7 +7,7 @@ import time
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.metrics import WorkerMetrics, kv_blocks_in_use
 from services.worker.step_timer import PHASES, StepTimer
-from shared.protocol import SamplingParams
+from shared.wire import SamplingParams
 
 
 def state(req_id: str, blocks: list[int]) -> CachedRequestState:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from services.worker.sampler.logprobs import TopLogprobs, top_logprobs
-from shared.protocol import TokenLogprobs
+from shared.wire import TokenLogprobs
 
 _ROWS_PER_CHUNK = 256  # logits rows at a time: a long prompt never holds [len, vocab] at once
 

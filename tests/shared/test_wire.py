@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shared.protocol import (
+from shared.wire import (
     PROTOCOL_VERSION,
     AbortRequests,
     BatchPlan,
