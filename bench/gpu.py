@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from shared.arith import cdiv
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DEVICE = "cuda"
@@ -286,7 +288,7 @@ def attn_batch(
     dtype: torch.dtype,
 ) -> AttnBatch:
     """Requests with q_lens new tokens ending seq_lens contexts, in shuffled cache blocks."""
-    nblocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    nblocks = [cdiv(s, BLOCK_SIZE) for s in seq_lens]
     ids = torch.randperm(sum(nblocks) + 1, device=DEVICE).int()
     table = torch.zeros(len(q_lens), max(nblocks) + 1, dtype=torch.int32, device=DEVICE)
     ends = itertools.accumulate(nblocks)

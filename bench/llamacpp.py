@@ -19,6 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.arith import cdiv
 from shared.default_model import cache_root
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -180,7 +181,7 @@ def parse_bench_json(text: str) -> dict[int, float]:
 def ctx_per_slot(prompts: list[list[int]], outputs: list[int], multiple: int = 64) -> int:
     """The longest request (prompt + output), rounded up to `multiple` tokens."""
     longest = max(len(p) + n for p, n in zip(prompts, outputs, strict=True))
-    return -(-longest // multiple) * multiple
+    return cdiv(longest, multiple) * multiple
 
 
 def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:

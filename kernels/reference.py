@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from shared.arith import cdiv
+
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -87,7 +89,7 @@ def paged_attention(
         start, end = qsl[i], qsl[i + 1]
         if end == start:
             continue
-        num_blocks = (seq_len + block_size - 1) // block_size
+        num_blocks = cdiv(seq_len, block_size)
         blocks = block_table[i, :num_blocks].long()
         k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
         v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]

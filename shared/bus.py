@@ -28,6 +28,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from shared.arith import cdiv
 from shared.cli_args import env_var
 from shared.config import NatsClientConfig
 from shared.nats_auth import inbox_prefix
@@ -148,7 +149,7 @@ async def publish(nc: Client, subject: str, msg: msgspec.Struct) -> int:
         await nc.publish(subject, payload)
         return len(payload)
     msg_id = uuid.uuid4().hex
-    num_parts = -(-len(payload) // limit)
+    num_parts = cdiv(len(payload), limit)
     for i in range(num_parts):
         headers = {_MSG_ID: msg_id, _PART: f"{i}/{num_parts}"}
         await nc.publish(subject, payload[i * limit : (i + 1) * limit], headers=headers)

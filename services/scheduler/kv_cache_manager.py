@@ -9,6 +9,7 @@ import msgspec
 
 from services.scheduler.block_pool import BlockPool, KVBlock
 from services.scheduler.request import Request
+from shared.arith import cdiv
 
 _ROOT_HASH = b"skiff-prefix-root"
 
@@ -109,7 +110,7 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
-        num_needed = -(-total_tokens // self.block_size) - len(blocks) - len(computed_blocks)
+        num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(computed_blocks)
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_evictable_hits:
             return None

@@ -15,6 +15,7 @@ import numpy as np
 
 from services.worker.grammar import advance
 from services.worker.sampling_columns import SamplingColumns
+from shared.arith import cdiv
 from shared.sampling_params import SamplingParams
 from shared.wire import BatchPlan, NewRequestData
 
@@ -66,7 +67,7 @@ class InputBatch:
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
-        max_blocks = -(-max_model_len // block_size)
+        max_blocks = cdiv(max_model_len, block_size)
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
         self.num_reqs = 0  # rows 0..num_reqs-1 are in use after condense()

@@ -29,6 +29,7 @@ from services.worker.sampler.metadata import GrammarMask
 from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.step_timer import StepTimer
 from services.worker.weight_format import convert_weights
+from shared.arith import cdiv
 from shared.wire import BatchPlan, ModelRunnerOutput, TokenLogprobs
 
 
@@ -83,7 +84,7 @@ class ModelRunner:
                 self.model,
                 self.kv_caches,
                 config.max_num_seqs,
-                -(-self.max_model_len // config.block_size),
+                cdiv(self.max_model_len, config.block_size),
                 self.max_model_len,
                 self.device,
             )
