@@ -17,7 +17,7 @@ from services.worker.models.decoder import DecoderForCausalLM
 from services.worker.models.layers import weight_scale
 
 
-class CompiledDecode:
+class FusedCpuDecode:
     """Runs decode-only steps of `model` (fp32, on the CPU) through `skiff_cpu::decode_layer`."""
 
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ import torch
 from kernels import cpu_ops
 from services.worker.attention import AttentionMetadata, get_attention_backend
 from services.worker.config import RunnerConfig
-from services.worker.cpu_decode import CompiledDecode
+from services.worker.cpu_decode import FusedCpuDecode
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.grammar import GrammarCompiler
 from services.worker.grammar_bitmask import GrammarBitmask
@@ -89,9 +89,9 @@ class ModelRunner:
                 self.device,
             )
             self.decode_graphs.capture()
-        self.compiled_decode: CompiledDecode | None = None
-        if self.device.type == "cpu" and config.compile and CompiledDecode.supports(self.model):
-            self.compiled_decode = CompiledDecode(self.model, self.kv_caches)
+        self.fused_cpu_decode: FusedCpuDecode | None = None
+        if self.device.type == "cpu" and config.compile and FusedCpuDecode.supports(self.model):
+            self.fused_cpu_decode = FusedCpuDecode(self.model, self.kv_caches)
 
     def reset(self) -> None:
         """Forget every request (the scheduler that placed them is gone)."""
@@ -133,8 +133,8 @@ class ModelRunner:
             if hidden is not None:
                 self.timer.cuda_graph = True
                 return hidden
-        if self.compiled_decode is not None and inputs.meta.max_query_len == 1:
-            return self.compiled_decode.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.fused_cpu_decode is not None and inputs.meta.max_query_len == 1:
+            return self.fused_cpu_decode.forward(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def _update_states(self, plan: BatchPlan) -> None:

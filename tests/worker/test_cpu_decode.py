@@ -11,6 +11,7 @@ from kernels import cpu_ops
 from services.worker.attention import AttentionMetadata
 from services.worker.config import RunnerConfig
 from services.worker.model_runner import ModelRunner
+from shared.arith import cdiv
 
 ARCHS = ["llama", "llama3-scaled", "qwen2", "qwen3"]  # plain, tied + head_dim 32, bias, qk norm
 BLOCK_SIZE = 16
@@ -36,11 +37,11 @@ def decode_meta(block_table: torch.Tensor, seq_lens: list[int]) -> AttentionMeta
 
 @pytest.mark.parametrize("arch", ARCHS)
 @torch.inference_mode()
-def test_compiled_decode_matches_eager(tiny_models, arch):
+def test_fused_cpu_decode_matches_eager(tiny_models, arch):
     runner = ModelRunner(
         RunnerConfig(model_dir=str(tiny_models[arch]), num_blocks=64, max_model_len=256)
     )
-    assert runner.compiled_decode is not None  # on by default on the CPU
+    assert runner.fused_cpu_decode is not None  # on by default on the CPU
     for seq_lens in ([1], [37], [100, 5, 16, 17], [1, 2], [200], [33, 33]):
         check_step(runner, seq_lens)
 
@@ -69,7 +70,7 @@ def check_step(runner: ModelRunner, seq_lens: list[int]) -> None:
     gen = torch.Generator().manual_seed(len(seq_lens) * 1000 + sum(seq_lens))
     for cache in runner.kv_caches:  # earlier context: random keys and values
         cache.copy_(torch.randn(cache.shape, generator=gen))
-    width = max(-(-n // BLOCK_SIZE) for n in seq_lens)
+    width = max(cdiv(n, BLOCK_SIZE) for n in seq_lens)
     blocks = torch.randperm(64, generator=gen)[: width * len(seq_lens)]
     block_table = blocks.view(len(seq_lens), width).to(torch.int32)
     meta = decode_meta(block_table, seq_lens)
@@ -82,16 +83,16 @@ def check_step(runner: ModelRunner, seq_lens: list[int]) -> None:
     for cache, saved in zip(runner.kv_caches, before, strict=True):
         cache.copy_(saved)
     meta = decode_meta(block_table, seq_lens)
-    compiled = runner.compiled_decode.forward(input_ids, positions, meta)
+    fused = runner.fused_cpu_decode.forward(input_ids, positions, meta)
 
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
     for got, want in zip(runner.kv_caches, eager_caches, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_compile_off_runs_eager(tiny_models):
+def test_fused_cpu_decode_off_runs_eager(tiny_models):
     config = RunnerConfig(model_dir=str(tiny_models["llama"]), num_blocks=8, compile=False)
-    assert ModelRunner(config).compiled_decode is None
+    assert ModelRunner(config).fused_cpu_decode is None
 
 
 def test_weights_stay_row_major_for_the_cpu_ops_kernel(tiny_models):
