@@ -12,7 +12,9 @@ import msgspec
 
 from shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: WorkerHello.max_num_seqs, BatchPlan.worker_session, typed stats
+# 2: WorkerHello.max_num_seqs, BatchPlan.worker_session, typed stats
+# 3: BatchPlan.scheduler_epoch, no longer a prefix of BatchPlan.worker_session
+PROTOCOL_VERSION = 3
 M = TypeVar("M", bound=msgspec.Struct)
 
 
@@ -56,8 +58,10 @@ class BatchPlan(msgspec.Struct, kw_only=True):
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
-    # The scheduler's session with this worker ("<scheduler epoch>:<core session>"). A plan with
-    # a new session tells the worker to drop all request state before executing it.
+    # The epoch of the scheduler that planned it (shared/epochs.py) and that scheduler's session
+    # with this worker (new with each scheduling core of it). A plan of a new (epoch, session)
+    # tells the worker to drop all request state before executing it.
+    scheduler_epoch: str = ""
     worker_session: str = ""
     version: int = PROTOCOL_VERSION
 
@@ -132,11 +136,12 @@ class SubmitRequest(msgspec.Struct, kw_only=True):
 
 class SubmitReply(msgspec.Struct, kw_only=True):
     """Accept, or reject with an HTTP-like status (400 bad request, 429 queue full, 503 not
-    ready) and a message meant for the API client."""
+    ready), a message meant for the API client and the request field at fault, if one is."""
 
     accepted: bool
     status: int = 200
     message: str = ""
+    param: str | None = None
     version: int = PROTOCOL_VERSION
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from services.scheduler.worker_driver import Publish
 from services.scheduler.worker_pool import WorkerHandle
+from shared.tasks import BackgroundTasks
 from shared.wire import BatchPlan, ModelRunnerOutput
 
 log = logging.getLogger("skiff.scheduler")
@@ -34,22 +35,20 @@ class HealthProbe:
         self.worker = worker
         self._publish = publish
         self._plan_subject = plan_subject
-        self._session = worker.plan_session(epoch)
+        self._epoch = epoch
         self._interval_s = interval_s
         self._on_healthy = on_healthy
         # Step ids of a worker only rise (a fresh core continues after the old one's), so a
         # result from this id on answers a probe, and a late one of an old step does not.
         self._first_step_id = worker.core.step_id
         self._answered = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks("probe")
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self._tasks.spawn(self._run(), self.worker.worker_id)
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        self._tasks.cancel()
 
     def on_result(self, output: ModelRunnerOutput) -> None:
         if output.step_id >= self._first_step_id:
@@ -58,12 +57,15 @@ class HealthProbe:
     async def _run(self) -> None:
         core = self.worker.core
         while not self._answered.is_set():
-            plan = BatchPlan(step_id=core.step_id, worker_session=self._session)
+            plan = BatchPlan(
+                step_id=core.step_id,
+                scheduler_epoch=self._epoch,
+                worker_session=self.worker.session,
+            )
             core.step_id += 1
             await self._publish(self._plan_subject, plan)
             try:
                 await asyncio.wait_for(self._answered.wait(), self._interval_s)
             except TimeoutError:
                 log.debug("worker %s has not answered its probe yet", self.worker.worker_id)
-        self._task = None  # ends here, so stop() must not cancel it
         self._on_healthy(self.worker)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
-from typing import Any
 
 import msgspec
 from nats.aio.client import Client
@@ -30,9 +28,11 @@ from services.scheduler.tracing import RequestTraces
 from services.scheduler.worker_driver import StepDeadline, WorkerDriver
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared import bus, tracing
-from shared.config import SchedulerConfig, SchedulerServiceConfig
+from shared.config import SchedulerConfig
+from services.scheduler.config import SchedulerServiceConfig
 from shared.epochs import new_epoch
 from shared.subjects import Subjects
+from shared.tasks import BackgroundTasks
 from shared.wire import (
     AbortRequests,
     GatewayHeartbeat,
@@ -54,7 +54,7 @@ class SchedulerService:
         self.config = config
         self.subjects = Subjects(config.subject_prefix)
         self.epoch = new_epoch()  # sorts after every earlier scheduler's
-        self.metrics = SchedulerMetrics(config.model_name)
+        self.metrics = SchedulerMetrics(config.served_model_name)
         self.pool = WorkerPool(scheduler_config)
         self.placement = Placement(self.pool, wake=self._wake)
         self.admission = Admission(self.pool, self.placement, config.max_waiting)
@@ -66,10 +66,10 @@ class SchedulerService:
         self.num_orphans_aborted = 0
         self.telemetry = Telemetry(self.epoch, self.pool, self.placement, self.metrics)
         self.traces = RequestTraces(tracing.tracer) if tracing.tracer else None
-        self.deadline = StepDeadline(config.step_timeout_s, config.step_timeout_per_token_s)
+        self.deadline = StepDeadline(config.step_timeout, config.step_timeout_per_token)
         self.nc: Client  # set by start()
         self.serving = False  # from start() until hand_over() or stop()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks("scheduler")
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -92,7 +92,7 @@ class SchedulerService:
         await bus.subscribe(nc, s.result, ModelRunnerOutput, self._on_result)
         await bus.subscribe(nc, s.gateway_heartbeat, GatewayHeartbeat, self._on_gateway_heartbeat)
         await bus.serve(nc, s.scheduler_stats, SchedulerStatsRequest, self._on_stats)
-        self._spawn(self._monitor())
+        self._tasks.spawn(self._monitor(), "monitor")
         self.serving = True
         log.info("scheduler up, epoch %s", self.epoch)
 
@@ -115,8 +115,7 @@ class SchedulerService:
 
     async def stop(self, last_heartbeat: SchedulerHeartbeat | None = None) -> None:
         self.serving = False
-        for task in self._tasks:
-            task.cancel()
+        self._tasks.cancel()
         self.liveness.stop()
         if last_heartbeat is not None and self.nc.is_connected:
             await bus.publish(self.nc, self.subjects.scheduler_heartbeat, last_heartbeat)
@@ -128,13 +127,13 @@ class SchedulerService:
 
     async def _monitor(self) -> None:
         while True:
-            self.liveness.expire(self.config.worker_timeout_s)
+            self.liveness.expire(self.config.worker_timeout)
             self._abort_orphans()
             self.telemetry.refresh_gauges()
             if self.nc.is_connected:
                 heartbeat = self.telemetry.heartbeat()
                 await bus.publish(self.nc, self.subjects.scheduler_heartbeat, heartbeat)
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+            await asyncio.sleep(self.config.heartbeat_interval)
 
     # ---- gateway side ------------------------------------------------------------------
 
@@ -156,7 +155,7 @@ class SchedulerService:
         if max_tokens is not None and len(sub.output_token_ids) >= max_tokens:
             # a continuation whose finishing delta was lost: it is already complete
             done = RequestOutput(sub.req_id, [], FinishReason.LENGTH)
-            self._spawn(self.router.publish([done]))
+            self._tasks.spawn(self.router.publish([done]), f"finish {sub.req_id}")
             return
         request = Request(
             sub.req_id,
@@ -197,14 +196,14 @@ class SchedulerService:
 
     def _abort_orphans(self) -> None:
         """Abort the requests of the gateways gone silent: nobody reads their tokens."""
-        for gateway_id in self.gateways.silent(self.config.gateway_timeout_s):
+        for gateway_id in self.gateways.silent(self.config.gateway_timeout):
             orphans = self.router.requests_of(gateway_id)
             if not orphans:
                 continue
             log.warning(
                 "gateway %s silent for %.0f s: aborting its %d requests",
                 gateway_id,
-                self.config.gateway_timeout_s,
+                self.config.gateway_timeout,
                 len(orphans),
             )
             for req_id in orphans:
@@ -246,7 +245,7 @@ class SchedulerService:
             publish=self._publish,
             plan_subject=self.subjects.plan(worker.worker_id),
             epoch=self.epoch,
-            interval_s=self.config.step_timeout_s,
+            interval_s=self.config.step_timeout,
             on_healthy=self.liveness.on_healthy,
         )
         probe.start()
@@ -266,9 +265,3 @@ class SchedulerService:
 
     async def _publish(self, subject: str, msg: msgspec.Struct) -> int:
         return await bus.publish(self.nc, subject, msg)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run `coro` as a task that `stop()` cancels."""
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

@@ -18,6 +18,7 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import RequestOutput, plan_has_work
 from services.scheduler.tracing import RequestTraces
 from services.scheduler.worker_pool import WorkerHandle
+from shared.tasks import BackgroundTasks
 from shared.wire import BatchPlan, ModelRunnerOutput
 
 log = logging.getLogger("skiff.scheduler")
@@ -67,7 +68,7 @@ class WorkerDriver:
         self.worker = worker
         self._publish = publish
         self._plan_subject = plan_subject
-        self._session = worker.plan_session(epoch)
+        self._epoch = epoch
         self._deadline = deadline
         self._metrics = metrics
         self._on_outputs = on_outputs
@@ -76,7 +77,7 @@ class WorkerDriver:
         self._max_in_flight = worker.core.max_plans_in_flight
         self._wakeup = asyncio.Event()
         self._in_flight: deque[StepInFlight] = deque()  # oldest first
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks("driver")
         self._result_at = 0.0  # perf_counter() when the last result came in
         wid = worker.worker_id
         self._plans_in_flight = metrics.plans_in_flight.labels(wid)
@@ -88,13 +89,12 @@ class WorkerDriver:
         self._idle_seconds = metrics.worker_idle_seconds.labels(wid)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self._tasks.spawn(self._run(), self.worker.worker_id)
 
     def stop(self) -> None:
-        """Stop driving; results still on their way are ignored."""
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        """Stop driving (also from `on_stall`, which ends the loop); results still on their
+        way are ignored."""
+        self._tasks.cancel()
         for step in self._in_flight:
             step.result.cancel()
         self._in_flight.clear()
@@ -144,7 +144,8 @@ class WorkerDriver:
     async def _announce(self) -> None:
         """First an empty plan of the new session: the worker drops what it held and knows it
         is adopted (its readiness) even while no request comes. Its result is ignored."""
-        plan = BatchPlan(step_id=self.worker.core.step_id, worker_session=self._session)
+        plan = BatchPlan(step_id=self.worker.core.step_id)
+        self._stamp(plan)
         self.worker.core.step_id += 1
         await self._publish(self._plan_subject, plan)
 
@@ -158,7 +159,7 @@ class WorkerDriver:
             spent += time.perf_counter() - t0
             if not plan_has_work(plan):
                 break
-            plan.worker_session = self._session
+            self._stamp(plan)
             now = time.monotonic()
             for new in plan.new_reqs:  # first admission (or arrival on this worker)
                 self._metrics.queue_time.observe(now - core.requests[new.req_id].arrival_time)
@@ -176,13 +177,16 @@ class WorkerDriver:
             step.published_at = time.perf_counter()
         return spent
 
+    def _stamp(self, plan: BatchPlan) -> None:
+        """Mark `plan` as one of this scheduler's epoch and this core's session."""
+        plan.scheduler_epoch, plan.worker_session = self._epoch, self.worker.session
+
     async def _idle(self) -> None:
         self._wakeup.clear()
         await self._wakeup.wait()
 
     def _stall(self, step_id: int) -> None:
         log.error("worker %s: no result for step %d in time", self.worker.worker_id, step_id)
-        self._task = None  # the loop ends here, so stop() must not cancel it
         self._in_flight.clear()
         self._plans_in_flight.set(0)
         self._on_stall(self.worker)

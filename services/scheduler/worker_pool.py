@@ -18,17 +18,14 @@ from shared.wire import WorkerHello, WorkerStats
 class WorkerHandle:
     hello: WorkerHello
     core: Scheduler
-    session: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # new core, new session
+    # `BatchPlan.worker_session` of this core's plans: a new core, a new session
+    session: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     last_seen: float = field(default_factory=time.monotonic)
     healthy: bool = True  # False from a missed step deadline until it answers a probe
 
     @property
     def worker_id(self) -> str:
         return self.hello.worker_id
-
-    def plan_session(self, epoch: str) -> str:
-        """`BatchPlan.worker_session` of this core's plans under the scheduler's `epoch`."""
-        return f"{epoch}:{self.session}"
 
 
 class WorkerPool:

@@ -20,18 +20,16 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.step_timer import StepTimer
 from services.worker.tracing import BatchTraces
 from shared import bus, tracing
-from shared.config import WorkerServiceConfig
+from services.worker.config import WorkerServiceConfig
 from shared.epochs import STALE_EPOCH_SILENCE_S, EpochFollower
 from shared.subjects import Subjects, worker_prefix
+from shared.tasks import BackgroundTasks
 from shared.wire import BatchPlan, ModelRunnerOutput, WorkerGoodbye, WorkerHello
 
 log = logging.getLogger("skiff.worker")
 T = TypeVar("T")
 KV_MEASURE_INTERVAL_S = 1.0  # counting the blocks in use costs up to a millisecond
-
-
-def _epoch(worker_session: str) -> str:
-    return worker_session.partition(":")[0]
+NO_SESSION = ("", "")  # (BatchPlan.scheduler_epoch, BatchPlan.worker_session) before any plan
 
 
 class Runner(Protocol):
@@ -72,14 +70,14 @@ class WorkerService:
     ) -> None:
         self.config = config
         self.runner = runner
-        self.metrics = metrics or WorkerMetrics(config.model_name)
+        self.metrics = metrics or WorkerMetrics(config.served_model_name)
         self.series = self.metrics.worker(config.worker_id, self._connected)
         self.series.watch_device(runner)
         self.series.set_kv_blocks(runner.batch, runner.num_blocks)
         self._kv_measured_at = 0.0  # time.monotonic() of the last KV block count
         http = WorkerHttpConfig()
         self.watch = watch or StepWatch(
-            http.execute_model_timeout_s, http.execute_model_timeout_factor
+            http.execute_model_timeout, http.execute_model_timeout_factor
         )
         # Ready once a scheduler adopted this instance (its first plan: the scheduler sends an
         # empty one on adoption), until it leaves or a step fails.
@@ -89,8 +87,9 @@ class WorkerService:
             worker_prefix(config.subject_prefix, config.worker_id, config.scheduler_shards)
         )
         self.instance_id = uuid.uuid4().hex
-        self.worker_session = ""
-        self._failed_session = ""  # a step of it failed: its queued plans build on lost state
+        self.session = NO_SESSION  # (scheduler epoch, worker session) of the last plan run
+        # A step of it failed: its plans still queued build on lost state.
+        self._failed_session = NO_SESSION
         self._epochs = EpochFollower(STALE_EPOCH_SILENCE_S)  # a stale scheduler's plans: ignored
         # A blocking runner gets one thread: plans run strictly in arrival order, heartbeats go
         # on meanwhile. An AsyncRunner runs on the loop (and its plans in order all the same).
@@ -99,14 +98,14 @@ class WorkerService:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
         self._plans: asyncio.Queue[BatchPlan] = asyncio.Queue()
         self._traces = BatchTraces(tracing.tracer, config.worker_id) if tracing.tracer else None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks = BackgroundTasks(config.worker_id)
 
     def hello(self) -> WorkerHello:
         r, mc = self.runner, self.runner.model_config
         return WorkerHello(
             worker_id=self.config.worker_id,
             instance_id=self.instance_id,
-            model=self.config.model_name,
+            model=self.config.served_model_name,
             block_size=r.config.block_size,
             num_blocks=r.num_blocks,
             max_model_len=r.max_model_len,
@@ -128,10 +127,8 @@ class WorkerService:
         plan_subject = self.subjects.plan(self.config.worker_id)
         await bus.subscribe(self.nc, plan_subject, BatchPlan, self._plans.put)
         await bus.publish(self.nc, self.subjects.worker_hello, self.hello())
-        self._tasks = [
-            asyncio.create_task(self._heartbeat()),
-            asyncio.create_task(self._execute_loop()),
-        ]
+        self._tasks.spawn(self._heartbeat(), "heartbeat")
+        self._tasks.spawn(self._execute_loop(), "execute")
         log.info("worker %s up: %d KV blocks", self.config.worker_id, self.runner.num_blocks)
 
     def _connected(self) -> bool:
@@ -156,8 +153,7 @@ class WorkerService:
         """Leave (on SIGTERM): take no more plans, tell the scheduler, which moves this
         worker's requests at once instead of after its heartbeat timeout, and stop."""
         self.leaving = True
-        for task in self._tasks:
-            task.cancel()
+        self._tasks.cancel()
         if self.nc.is_connected:
             goodbye = WorkerGoodbye(worker_id=self.config.worker_id, instance_id=self.instance_id)
             await bus.publish(self.nc, self.subjects.worker_goodbye, goodbye)
@@ -166,8 +162,7 @@ class WorkerService:
         await self.stop()
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        self._tasks.cancel()
         if self._owns_nc:
             await self.nc.drain()
         if self.executor is not None:
@@ -189,17 +184,19 @@ class WorkerService:
             waiting_since = time.perf_counter()
             plan = await self._plans.get()
             idle_s = time.perf_counter() - waiting_since
-            if plan.worker_session == self._failed_session:
+            session = (plan.scheduler_epoch, plan.worker_session)
+            if session == self._failed_session:
                 continue  # planned before our failure was known (async scheduling)
-            if not self._epochs.follow(plan.worker_session.partition(":")[0]):
+            if not self._epochs.follow(plan.scheduler_epoch):
                 log.debug("dropping step %d of a stale scheduler epoch", plan.step_id)
                 continue
-            if plan.worker_session != self.worker_session:
-                if self.worker_session:
+            if session != self.session:
+                if plan.scheduler_epoch != self.session[0] and self.session != NO_SESSION:
                     log.warning("new scheduler epoch: dropping all request state")
-                    if _epoch(plan.worker_session) != _epoch(self.worker_session):
-                        self.series.epoch_changes.inc()
-                self.worker_session = plan.worker_session
+                    self.series.epoch_changes.inc()
+                elif self.session != NO_SESSION:
+                    log.warning("new scheduler session: dropping all request state")
+                self.session = session
                 await self._call(self.runner.reset)
                 if self._traces is not None:
                     self._traces.reset()
@@ -221,7 +218,7 @@ class WorkerService:
                 await self._call(self.runner.reset)
                 if self._traces is not None:
                     self._traces.reset()
-                self._failed_session = plan.worker_session
+                self._failed_session = session
                 self.instance_id = uuid.uuid4().hex
                 await bus.publish(self.nc, self.subjects.worker_hello, self.hello())
                 continue
@@ -250,6 +247,6 @@ class WorkerService:
 
     async def _heartbeat(self) -> None:
         while True:
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+            await asyncio.sleep(self.config.heartbeat_interval)
             if self.nc.is_connected:
                 await bus.publish(self.nc, self.subjects.worker_heartbeat, self.hello())

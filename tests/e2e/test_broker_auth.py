@@ -35,7 +35,7 @@ from shared.wire import (
 from tests.e2e.stats import scheduler_stats
 
 MODEL = "SmolLM2-135M-Instruct"
-SIM = SimConfig(step_base_ms=20.0, per_token_us=1.0, per_req_us=1.0)  # ~50 tokens/s
+SIM = SimConfig(sim_step_base_ms=20.0, sim_per_token_us=1.0, sim_per_req_us=1.0)  # ~50 tokens/s
 MAX_TOKENS = 100  # a stream of about 2 s: the attacks run while it does
 STREAM_DEADLINE_S = 60.0  # generous on a loaded machine; the attack used to stall it 90 s
 S = Subjects()
@@ -163,7 +163,7 @@ def test_a_gateway_credential_can_neither_read_nor_pose_as_a_worker_or_scheduler
         S.worker_hello: FAKE_HELLO,
         S.worker_heartbeat: FAKE_HELLO,
         S.scheduler_heartbeat: SchedulerHeartbeat(epoch="f" * 32, num_ready_workers=0),
-        S.plan("worker-0"): BatchPlan(step_id=1, worker_session="f" * 32 + ":1"),
+        S.plan("worker-0"): BatchPlan(step_id=1, scheduler_epoch="f" * 32, worker_session="1"),
     }
 
     async def run() -> tuple[Intruder, tuple[str, int, float]]:
@@ -222,8 +222,8 @@ def test_a_stale_scheduler_epoch_overrides_nothing(auth_stack, reference):
     stale = "0" * 32
     messages = {
         S.scheduler_heartbeat: SchedulerHeartbeat(epoch=stale, num_ready_workers=1),
-        S.plan("worker-0"): BatchPlan(step_id=1, worker_session=f"{stale}:1"),
-        S.plan("worker-1"): BatchPlan(step_id=1, worker_session=f"{stale}:1"),
+        S.plan("worker-0"): BatchPlan(step_id=1, scheduler_epoch=stale, worker_session="1"),
+        S.plan("worker-1"): BatchPlan(step_id=1, scheduler_epoch=stale, worker_session="1"),
     }
     migrations = _gateway_migrations(auth_stack)
 

@@ -145,7 +145,8 @@ def test_requests_wait_for_a_worker_and_survive_a_restart():
     worker = h.pool.workers["w0"]
     assert worker.session != old_session and "a" in worker.core.requests
     last_plan = h.publisher.sent[-1][1]
-    assert isinstance(last_plan, BatchPlan) and last_plan.worker_session == f"e:{worker.session}"
+    assert isinstance(last_plan, BatchPlan)
+    assert (last_plan.scheduler_epoch, last_plan.worker_session) == ("e", worker.session)
 
 
 def test_a_hung_worker_loses_its_requests_until_it_answers_a_probe():
@@ -167,7 +168,9 @@ def test_a_hung_worker_loses_its_requests_until_it_answers_a_probe():
         assert h.metric("skiff_worker_healthy", "w1") == 1
         assert h.pool.num_healthy == 1
 
-        probes = [p for p in h.plans("w0") if p.worker_session == w0.plan_session("e")]
+        probes = [
+            p for p in h.plans("w0") if (p.scheduler_epoch, p.worker_session) == ("e", w0.session)
+        ]
         assert len(probes) >= 2  # sent again every interval while unanswered
         assert all(not p.num_scheduled_tokens and not p.new_reqs for p in probes)
         h.liveness.adopt(make_hello("w0"))  # its heartbeat alone proves nothing

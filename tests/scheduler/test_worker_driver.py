@@ -76,7 +76,7 @@ def test_plans_until_the_request_finishes_then_idles():
         assert h.num_plans == 0  # idle: nothing to schedule
         h.add("a", max_tokens=2)
         first = await h.next_plan(1)
-        assert first.worker_session == f"e:{h.worker.session}"
+        assert (first.scheduler_epoch, first.worker_session) == ("e", h.worker.session)
         h.driver.on_result(result(first, token=3))
         second = await h.next_plan(2)
         h.driver.on_result(result(first))  # a stale step id: ignored
@@ -105,7 +105,7 @@ def test_a_new_session_is_announced_by_an_empty_plan():
         await asyncio.sleep(0.01)
         announce = h.publisher.sent[0][1]
         assert isinstance(announce, BatchPlan)
-        assert announce.worker_session == f"e:{h.worker.session}"
+        assert (announce.scheduler_epoch, announce.worker_session) == ("e", h.worker.session)
         assert not announce.num_scheduled_tokens and not announce.finished_req_ids
         await asyncio.sleep(0.1)  # past the step timeout: nothing awaited it
         h.add("a", max_tokens=1)

@@ -68,7 +68,8 @@ MESSAGES = [
         total_num_scheduled_tokens=3,
         finished_req_ids=["c"],
         preempted_req_ids=["d"],
-        worker_session="e:1",
+        scheduler_epoch="e",
+        worker_session="1",
     ),
     ModelRunnerOutput(
         step_id=9,

@@ -14,7 +14,7 @@ from services.worker.health import StepWatch, WorkerProbes
 from services.worker.service import WorkerService
 from services.worker.sim_runner import SimRunner
 from shared import bus
-from shared.config import WorkerServiceConfig
+from services.worker.config import WorkerServiceConfig
 from shared.sampling_params import SamplingParams
 from shared.subjects import Subjects
 from shared.wire import (
@@ -71,7 +71,7 @@ def test_http_config_is_checked():
     with pytest.raises(ValueError, match="http_port"):
         WorkerHttpConfig(http_port=70000)
     with pytest.raises(ValueError, match="execute_model_timeout"):
-        WorkerHttpConfig(execute_model_timeout_s=0)
+        WorkerHttpConfig(execute_model_timeout=0)
     with pytest.raises(ValueError, match="factor"):
         WorkerHttpConfig(execute_model_timeout_factor=0.5)
 
@@ -104,7 +104,9 @@ def test_ready_once_adopted_and_a_goodbye_on_leaving(model_dir, nats_url):
         assert service.live() is None
         assert service.ready() == "waiting for a scheduler to adopt it"
         # the scheduler's adoption: an empty plan of its session
-        await bus.publish(nc, subjects.plan("w-3"), BatchPlan(step_id=0, worker_session="e:s"))
+        await bus.publish(
+            nc, subjects.plan("w-3"), BatchPlan(step_id=0, scheduler_epoch="e", worker_session="s")
+        )
         await asyncio.wait_for(results.get(), 5)
         assert service.ready() is None
         new = NewRequestData(
@@ -119,7 +121,8 @@ def test_ready_once_adopted_and_a_goodbye_on_leaving(model_dir, nats_url):
             new_reqs=[new],
             num_scheduled_tokens={"a": 5},
             total_num_scheduled_tokens=5,
-            worker_session="e:s",
+            scheduler_epoch="e",
+            worker_session="s",
         )
         await bus.publish(nc, subjects.plan("w-3"), step)
         await asyncio.wait_for(results.get(), 5)
@@ -128,7 +131,7 @@ def test_ready_once_adopted_and_a_goodbye_on_leaving(model_dir, nats_url):
         assert registry.get_sample_value("skiff_worker_step_seconds_count", wid) == 1  # not empty
         assert registry.get_sample_value("skiff_worker_batch_size_sum", wid) == 1
         tokens = registry.get_sample_value(
-            "vllm:iteration_tokens_total_sum", {"model_name": service.config.model_name, **wid}
+            "vllm:iteration_tokens_total_sum", {"model_name": service.config.served_model_name, **wid}
         )
         assert tokens == 5
         assert service.watch.mean_s is not None and service.watch.check() is None
