@@ -3,38 +3,26 @@ structured outputs."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from services.gateway.choice import ChoiceSpec, ChoiceUpdate
+from services.gateway.choice import ChoiceUpdate
 from services.gateway.context import GatewayContext
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.errors import APIError
 from services.gateway.generation import Generation
 from services.gateway.logprobs import completion_logprobs, prompt_logprobs_body
-from services.gateway.sampling import build_sampling_params, check_sizes, stop_strings
 from services.gateway.schemas import CompletionRequest
 from services.gateway.serving import (
+    Endpoint,
     Payload,
+    Prompt,
+    ResponseFormatter,
+    Sampling,
     check_num_choices,
-    engine_base_id,
-    event_stream,
-    request_id,
-    respond_once,
-    usage,
 )
-from services.gateway.sse import EventStreamResponse
-from services.gateway.structured import requested_structure
-from shared.sampling_params import check_prompt_fits, check_token_ids, resolve_max_tokens
-
-
-@dataclass
-class Prompt:
-    text: str  # what echo returns
-    token_ids: list[int]
+from services.gateway.structured import Structure, requested_structure
+from shared.sampling_params import check_prompt_fits, check_token_ids
 
 
 async def _prompts(ctx: GatewayContext, body: CompletionRequest) -> list[Prompt]:
@@ -56,14 +44,35 @@ async def _prompts(ctx: GatewayContext, body: CompletionRequest) -> list[Prompt]
     return prompts
 
 
-class _Formatter:
-    """Turns choice updates into completion choices (echo and logprobs included)."""
+class CompletionFormatter(ResponseFormatter):
+    """Completion chunks and responses: each choice's text (after its prompt on the first one
+    with `echo`) and logprobs."""
+
+    id_prefix = "cmpl"
+    chunk_object = response_object = "text_completion"
 
     def __init__(
-        self, ctx: GatewayContext, body: CompletionRequest, prompts: list[Prompt], gen: Generation
+        self,
+        ctx: GatewayContext,
+        request: Request,
+        prompts: list[Prompt],
+        gen: Generation,
+        *,
+        body: CompletionRequest,
     ) -> None:
-        self.ctx, self.body, self.prompts, self.gen = ctx, body, prompts, gen
+        super().__init__(ctx, request, prompts, gen)
+        self.body = body
         self.started: set[int] = set()
+
+    def chunk(self, update: ChoiceUpdate) -> Payload:
+        return {**self.head(self.chunk_object), "choices": [self.choice(update)]}
+
+    def response(self, results: list[ChoiceUpdate]) -> Payload:
+        return {
+            **self.head(self.response_object),
+            "choices": [self.choice(u) for u in results],
+            "usage": self.usage(),
+        }
 
     def prompt_of(self, index: int) -> Prompt:
         return self.prompts[index // self.body.n]
@@ -114,84 +123,37 @@ class _Formatter:
         return offsets
 
 
+class CompletionEndpoint(Endpoint[CompletionRequest]):
+    """One completions request: prompts as text or token ids, `n` choices each."""
+
+    def check(self) -> None:
+        if self.body.suffix:
+            raise APIError(400, "suffix is not currently supported", "suffix")
+
+    def structure(self) -> Structure | None:
+        return requested_structure(self.body)
+
+    async def prompts(self) -> list[Prompt]:
+        return await _prompts(self.ctx, self.body)
+
+    def sampling(self) -> Sampling:
+        body = self.body
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = body.logprobs
+        return Sampling(
+            max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
+        )
+
+    def formatter(self, prompts: list[Prompt], gen: Generation) -> ResponseFormatter:
+        return CompletionFormatter(self.ctx, self.request, prompts, gen, body=self.body)
+
+
 def router(ctx: GatewayContext) -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        arrival = time.monotonic()
-        ctx.check_accepting()
-        ctx.check_model(body.model)
-        if body.suffix:
-            raise APIError(400, "suffix is not currently supported", "suffix")
-        max_model_len = ctx.max_model_len()
-        check_sizes(body, ctx.encoder)
-        structure = requested_structure(body)
-        if structure is not None:
-            await ctx.structures.check(structure)
-        prompts = await _prompts(ctx, body)
-        prompt_logprobs = body.prompt_logprobs
-        if body.echo and body.logprobs is not None and prompt_logprobs is None:
-            prompt_logprobs = body.logprobs
-        base, specs = engine_base_id(), []
-        for p, prompt in enumerate(prompts):
-            max_tokens = resolve_max_tokens(body.max_tokens, len(prompt.token_ids), max_model_len)
-            params = build_sampling_params(
-                body,
-                ctx.tokenizer,
-                max_tokens=max_tokens,
-                logprobs=body.logprobs,
-                prompt_logprobs=prompt_logprobs,
-                structured_outputs=structure.params if structure else None,
-            )
-            for i in range(body.n):
-                index = p * body.n + i
-                specs.append(
-                    ChoiceSpec(
-                        index,
-                        f"{base}-{index}",
-                        prompt.token_ids,
-                        params.for_choice(i),
-                        stop_strings(body.stop),
-                        body.include_stop_str_in_output,
-                        body.skip_special_tokens,
-                    )
-                )
-        gen = Generation(ctx.engine, ctx.tokenizer, ctx.metrics, specs, arrival)
-        await gen.start()
-        fmt = _Formatter(ctx, body, prompts, gen)
-        head = {
-            "id": f"cmpl-{request_id(request)}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": ctx.served_model_name,
-        }
-        prompt_lens = [len(p.token_ids) for p in prompts]
-
-        def final_usage() -> Payload:
-            return usage(prompt_lens, gen.choices)
-
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = event_stream(
-                ctx,
-                gen,
-                [],
-                lambda u: {**head, "choices": [fmt.choice(u)]},
-                (lambda: {**head, "choices": [], "usage": final_usage()})
-                if include_usage
-                else None,
-            )
-            return EventStreamResponse(events, on_close=gen.close)
-        return await respond_once(
-            request,
-            ctx,
-            gen,
-            lambda results: {
-                **head,
-                "choices": [fmt.choice(u) for u in results],
-                "usage": final_usage(),
-            },
-        )
+        return await CompletionEndpoint(ctx, body, request).serve()
 
     return api

@@ -47,41 +47,48 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 class GatewayMetrics:
     def __init__(self, model_name: str, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
-        model = ["model_name"]
-        reg = self.registry
+        self._model = model_name
+        self._add_request_metrics()
+        self._add_gateway_metrics()
+        self._add_engine_gauges(engine)
+
+    def _add_request_metrics(self) -> None:
+        """vLLM's per-request latencies and token counts, labelled by model."""
+        model, reg = ["model_name"], self.registry
 
         def hist(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(name, doc, model, buckets=buckets, registry=reg)
+            return Histogram(name, doc, model, buckets=buckets, registry=reg).labels(self._model)
 
         def count(name: str, doc: str) -> Counter:
-            return Counter(name, doc, model, registry=reg)
+            return Counter(name, doc, model, registry=reg).labels(self._model)
 
         self.ttft = hist(
             "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
-        ).labels(model_name)
+        )
         self.itl = hist(
             "vllm:inter_token_latency_seconds", "Time between token deltas.", _LATENCY_BUCKETS
-        ).labels(model_name)
+        )
         self.e2e = hist(
             "vllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS
-        ).labels(model_name)
+        )
         self.request_prompt_tokens = hist(
             "vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
-        ).labels(model_name)
+        )
         self.request_generation_tokens = hist(
             "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
-        ).labels(model_name)
-        self.prompt_tokens = count("vllm:prompt_tokens", "Prefill tokens.").labels(model_name)
-        self.generation_tokens = count("vllm:generation_tokens", "Generated tokens.").labels(
-            model_name
         )
+        self.prompt_tokens = count("vllm:prompt_tokens", "Prefill tokens.")
+        self.generation_tokens = count("vllm:generation_tokens", "Generated tokens.")
         self._success = Counter(
             "vllm:request_success",
             "Finished requests by finish reason.",
             ["model_name", "finished_reason"],
             registry=reg,
         )
-        self._model = model_name
+
+    def _add_gateway_metrics(self) -> None:
+        """The gateway's own: HTTP requests, work in flight, submits and early ends."""
+        reg = self.registry
         self.http_requests = Counter(
             "skiff_gateway_http_requests",
             "HTTP requests served.",
@@ -105,6 +112,11 @@ class GatewayMetrics:
         self.stop_string_aborts = Counter(
             "skiff_gateway_stop_string_aborts", "Requests finished by a stop string.", registry=reg
         )
+
+    def _add_engine_gauges(self, engine: EngineClient) -> None:
+        """The engine client's readiness, NATS connection and request counters, read at
+        scrape time."""
+        reg = self.registry
         ready = Gauge(
             "skiff_gateway_engine_ready", "1 when a scheduler with workers is up.", registry=reg
         )

@@ -1,22 +1,39 @@
-"""What completions and chat completions share: streaming vs. collecting, usage, request ids."""
+"""What completions and chat completions share.
+
+The front half, `Endpoint.serve()`: admission and checks, the structure a request asks for,
+prompt token ids, sampling parameters per prompt, and one engine request per choice. The back
+half: streaming or collecting the choices, shaped by each route's `ResponseFormatter`, with
+usage and request ids.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
 
 from fastapi import Request
 from starlette.responses import JSONResponse, Response
 
-from services.gateway.choice import ChoiceState, ChoiceUpdate
+from services.gateway.choice import ChoiceSpec, ChoiceState, ChoiceUpdate
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, error_body
 from services.gateway.generation import Generation
-from services.gateway.schemas import MAX_N
-from services.gateway.sse import DONE, KEEPALIVE, run_until_disconnect, sse
+from services.gateway.sampling import (
+    api_field_names,
+    build_sampling_params,
+    check_sizes,
+    stop_strings,
+)
+from services.gateway.schemas import MAX_N, SamplingFields
+from services.gateway.sse import DONE, KEEPALIVE, EventStreamResponse, run_until_disconnect, sse
+from services.gateway.structured import Structure
 from shared.logs import request_id_var
+from shared.sampling_params import resolve_max_tokens
 
 MAX_CHOICES = MAX_N  # prompts x n per HTTP request
 
@@ -125,3 +142,153 @@ async def event_stream(
         raise
     finally:
         gen.close()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str  # what a completion's echo returns
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A route's own inputs to `build_sampling_params` (the shared fields come from the body)."""
+
+    max_tokens: int | None  # as requested; None: what the context leaves
+    logprobs: int | None
+    prompt_logprobs: int | None
+    prompt_param: str = "prompt"  # the field holding the prompt (errors name it)
+    api_names: dict[str, str] = field(default_factory=dict)  # see `api_field_names`
+
+
+def choice_specs(
+    ctx: GatewayContext,
+    body: SamplingFields,
+    prompts: list[Prompt],
+    sampling: Sampling,
+    structure: Structure | None,
+    max_model_len: int,
+) -> list[ChoiceSpec]:
+    """`body.n` choices per prompt (choice `p * n + i` is choice i of prompt p), each with its
+    own engine id and sampling parameters."""
+    base, specs = engine_base_id(), []
+    for p, prompt in enumerate(prompts):
+        with api_field_names(sampling.api_names):
+            max_tokens = resolve_max_tokens(
+                sampling.max_tokens, len(prompt.token_ids), max_model_len, sampling.prompt_param
+            )
+            params = build_sampling_params(
+                body,
+                ctx.tokenizer,
+                max_tokens=max_tokens,
+                logprobs=sampling.logprobs,
+                prompt_logprobs=sampling.prompt_logprobs,
+                structured_outputs=structure.params if structure else None,
+            )
+        for i in range(body.n):
+            index = p * body.n + i
+            specs.append(
+                ChoiceSpec(
+                    index,
+                    f"{base}-{index}",
+                    prompt.token_ids,
+                    params.for_choice(i),
+                    stop_strings(body.stop),
+                    body.include_stop_str_in_output,
+                    body.skip_special_tokens,
+                )
+            )
+    return specs
+
+
+class ResponseFormatter(ABC):
+    """A route's response payloads: stream chunks of choice updates, and the whole response."""
+
+    id_prefix: ClassVar[str]
+    chunk_object: ClassVar[str]
+    response_object: ClassVar[str]
+
+    def __init__(
+        self, ctx: GatewayContext, request: Request, prompts: list[Prompt], gen: Generation
+    ) -> None:
+        self.ctx, self.prompts, self.gen = ctx, prompts, gen
+        self.id = f"{self.id_prefix}-{request_id(request)}"
+        self.created = int(time.time())
+
+    def head(self, kind: str) -> Payload:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.ctx.served_model_name,
+        }
+
+    def usage(self) -> Payload:
+        return usage([len(p.token_ids) for p in self.prompts], self.gen.choices)
+
+    def opening(self) -> list[Payload]:
+        """Chunks sent before any token."""
+        return []
+
+    @abstractmethod
+    def chunk(self, update: ChoiceUpdate) -> Payload | None:
+        """The stream chunk of an update, or None for text held back."""
+
+    def usage_chunk(self) -> Payload:
+        return {**self.head(self.chunk_object), "choices": [], "usage": self.usage()}
+
+    @abstractmethod
+    def response(self, results: list[ChoiceUpdate]) -> Payload:
+        """The whole response, from one merged update per choice."""
+
+
+BodyT = TypeVar("BodyT", bound=SamplingFields)
+
+
+class Endpoint(ABC, Generic[BodyT]):
+    """One request to a generation route. `serve()` runs what both routes do, in this order:
+    admission, the route's own checks (`check`), the context length, list and text sizes, the
+    structure the request asks for (`structure`, compiled off the event loop), the prompts
+    (`prompts`), sampling parameters per prompt (`sampling`), submitting every choice, then the
+    response, streamed or whole, shaped by the route's `formatter`."""
+
+    def __init__(self, ctx: GatewayContext, body: BodyT, request: Request) -> None:
+        self.ctx, self.body, self.request = ctx, body, request
+        self.arrival = time.monotonic()
+
+    def check(self) -> None:
+        """The route's own checks, before the context length is needed."""
+
+    @abstractmethod
+    def structure(self) -> Structure | None: ...
+
+    @abstractmethod
+    async def prompts(self) -> list[Prompt]: ...
+
+    @abstractmethod
+    def sampling(self) -> Sampling: ...
+
+    @abstractmethod
+    def formatter(self, prompts: list[Prompt], gen: Generation) -> ResponseFormatter: ...
+
+    async def serve(self) -> Response:
+        ctx, body = self.ctx, self.body
+        ctx.check_accepting()
+        ctx.check_model(body.model)
+        self.check()
+        max_model_len = ctx.max_model_len()
+        check_sizes(body, ctx.encoder)
+        structure = self.structure()
+        if structure is not None:
+            await ctx.structures.check(structure)
+        prompts = await self.prompts()
+        specs = choice_specs(ctx, body, prompts, self.sampling(), structure, max_model_len)
+        gen = Generation(ctx.engine, ctx.tokenizer, ctx.metrics, specs, self.arrival)
+        await gen.start()
+        fmt = self.formatter(prompts, gen)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            final = fmt.usage_chunk if include_usage else None
+            events = event_stream(ctx, gen, fmt.opening(), fmt.chunk, final)
+            return EventStreamResponse(events, on_close=gen.close)
+        return await respond_once(self.request, ctx, gen, fmt.response)
