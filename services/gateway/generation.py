@@ -20,21 +20,20 @@ from services.gateway.errors import APIError
 from services.gateway.metrics import ChoiceTimer, GatewayMetrics
 from services.gateway.tracing import ChoiceSpans
 from shared import tracing
+from shared.tasks import BackgroundTasks
 from shared.tokenizer import Tokenizer
 from shared.wire import SubmitRequest
 
 logger = logging.getLogger(__name__)
 
-_background: set[asyncio.Task] = set()
+_aborts = BackgroundTasks("gateway-aborts")
 
 
 def abort_soon(engine: EngineClient, req_ids: Sequence[str]) -> None:
     """Send an abort without awaiting it (safe inside cancelled scopes and finally blocks)."""
     if not req_ids:
         return
-    task = asyncio.get_running_loop().create_task(engine.abort(list(req_ids)))
-    _background.add(task)
-    task.add_done_callback(_background.discard)
+    _aborts.spawn(engine.abort(list(req_ids)), "abort")
 
 
 class Generation:
@@ -98,12 +97,11 @@ class Generation:
         """Updates of all choices, interleaved; raises APIError if the engine loses one. With
         `idle_timeout`, None is yielded whenever no update came for that long."""
         queue: asyncio.Queue[ChoiceUpdate | EngineError] = asyncio.Queue()
-        pumps = [
-            asyncio.create_task(self._pump(c, s, t, queue))
-            for c, s, t in zip(self.choices, self._streams, self.timers, strict=True)
-        ]
+        pumps = BackgroundTasks("generation")
+        for c, s, t in zip(self.choices, self._streams, self.timers, strict=True):
+            pumps.spawn(self._pump(c, s, t, queue), f"pump {c.spec.req_id}")
         try:
-            remaining = len(pumps)
+            remaining = len(self._streams)
             while remaining:
                 try:
                     item = await asyncio.wait_for(queue.get(), idle_timeout)
@@ -115,8 +113,7 @@ class Generation:
                 remaining -= item.finish_reason is not None
                 yield item
         finally:
-            for pump in pumps:
-                pump.cancel()
+            pumps.cancel()
             self._cleanup()
 
     async def _pump(

@@ -10,6 +10,7 @@ import logging
 import nats.errors
 
 from services.gateway.nats_transport import NatsTransport
+from shared.tasks import BackgroundTasks
 from shared.wire import GatewayHeartbeat
 
 logger = logging.getLogger(__name__)
@@ -24,15 +25,13 @@ class GatewayHeartbeats:
         self._transport = transport
         self._beat = GatewayHeartbeat(gateway_id=gateway_id)
         self._interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks("gateway-heartbeat")
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self._tasks.spawn(self._run(), "beat")
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        self._tasks.cancel()
 
     async def _run(self) -> None:
         while True:

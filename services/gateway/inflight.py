@@ -23,14 +23,14 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
 from services.gateway.nats_transport import NatsTransport
 from services.gateway.request_stream import EngineError, RequestStream
+from shared.tasks import BackgroundTasks
 from shared.wire import OutputBatch, SubmitRequest
 
 logger = logging.getLogger(__name__)
@@ -80,13 +80,13 @@ class InFlightRequests:
         self.stats = EngineStats()
         self._inflight: dict[str, _InFlight] = {}  # by the gateway's req_id
         self._routes: dict[str, _InFlight] = {}  # by the id a scheduler knows now
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks("gateway-inflight")  # the watchdog and moves
 
     def __len__(self) -> int:
         return len(self._inflight)
 
     def start(self) -> None:
-        self._spawn(self._watchdog())
+        self._tasks.spawn(self._watchdog(), "watchdog")
 
     def close(self, error: EngineError) -> None:
         """Fail every stream with `error` and stop moving requests."""
@@ -94,8 +94,7 @@ class InFlightRequests:
             record.stream.fail(error)
         self._inflight.clear()
         self._routes.clear()
-        for task in list(self._tasks):
-            task.cancel()
+        self._tasks.cancel()
 
     async def submit(self, request: SubmitRequest) -> RequestStream:
         if request.req_id in self._inflight:
@@ -208,7 +207,7 @@ class InFlightRequests:
     def _start_move(self, record: _InFlight) -> None:
         if not record.moving:
             record.moving = True
-            self._spawn(self._move(record))
+            self._tasks.spawn(self._move(record), f"move {record.request.req_id}")
 
     async def _move(self, record: _InFlight) -> None:
         """Resubmit until the record is held by a shard that has lost none of its deltas."""
@@ -268,8 +267,3 @@ class InFlightRequests:
     def _forget(self, record: _InFlight) -> None:
         self._inflight.pop(record.request.req_id, None)
         self._routes.pop(record.engine_id, None)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

@@ -10,7 +10,6 @@ dropping messages for a slow consumer (`shard` is None: every shard's).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -25,6 +24,7 @@ from services.gateway.shards import Shards
 from shared import bus
 from shared.epochs import supersedes
 from shared.subjects import Subjects
+from shared.tasks import BackgroundTasks
 from shared.wire import (
     AbortRequests,
     OutputBatch,
@@ -56,7 +56,7 @@ class NatsTransport:
         self.shards = shards
         self.submit_timeout = submit_timeout
         self._nc: Client | None = None
-        self._connecting: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks("gateway-nats")  # connecting
         self._on_lost: LostCallback = lambda _reason, _shard: None
 
     def start(
@@ -64,11 +64,10 @@ class NatsTransport:
     ) -> None:
         """Connect in the background (retrying forever) and subscribe."""
         self._on_lost = on_lost
-        self._connecting = asyncio.create_task(self._connect(on_output))
+        self._tasks.spawn(self._connect(on_output), "connect")
 
     async def close(self) -> None:
-        if self._connecting is not None:
-            self._connecting.cancel()
+        self._tasks.cancel()
         if self._nc is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
                 await self._nc.drain()
@@ -133,7 +132,7 @@ class NatsTransport:
                 )
         except Exception:
             logger.exception("cannot connect to NATS at %s", self.servers)
-            raise
+            return  # logged once here, with the servers (not again as a task crash)
         logger.info("connected to NATS", extra={"gateway_id": self.gateway_id})
 
     async def _on_heartbeat(self, index: int, beat: SchedulerHeartbeat) -> None:
