@@ -44,7 +44,7 @@ def greedy(n: int, ignore_eos: bool = True) -> SamplingParams:
 def build(name: str, max_num_seqs: int) -> LLM:
     # no prefix caching: the repeats and the served path must not reuse earlier runs' KV
     if name == "torch":
-        llm = LLM(compile=False, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+        llm = LLM(fused_cpu_decode=False, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
         gemv_layout(llm.runner.model)
         return llm
     return LLM(max_num_seqs=max_num_seqs, cpu_weights=name, enable_prefix_caching=False)

@@ -31,10 +31,12 @@ from pathlib import Path
 import httpx
 import msgspec
 
+from services.gateway.config import GatewayConfig
 from services.launcher import Stack, StackConfig, free_port
-from services.worker.config import SimConfig
+from services.scheduler.config import SchedulerServiceConfig
+from services.worker.config import RunnerConfig, SimConfig
 from shared import bus
-from shared.config import DEFAULT_SUBJECT_PREFIX, SchedulerConfig, SchedulerServiceConfig
+from shared.config import DEFAULT_SUBJECT_PREFIX, SchedulerConfig
 from shared.default_model import DEFAULT_MODEL_NAME
 from shared.subjects import Subjects, shard_prefixes
 from shared.wire import (
@@ -131,7 +133,10 @@ class Fleet:
 
     def _config(self, **kw) -> StackConfig:
         return StackConfig(
-            model_dir="", served_model_name=DEFAULT_MODEL_NAME, log_dir=str(self.log_dir), **kw
+            RunnerConfig(model_dir=""),
+            GatewayConfig(served_model_name=DEFAULT_MODEL_NAME),
+            log_dir=str(self.log_dir),
+            **kw,
         )
 
     def start(self, case: Case) -> None:
@@ -142,7 +147,7 @@ class Fleet:
         self.stack = Stack(
             self._config(
                 nats_url=self.nats_url,
-                port=free_port(),
+                gateway=GatewayConfig(served_model_name=DEFAULT_MODEL_NAME, port=free_port()),
                 scheduler=scheduler,
                 scheduler_service=service,
                 scheduler_shards=case.shards,
@@ -200,7 +205,7 @@ async def observe(nc, window: Window, case: Case) -> None:
     """While the window is open: each worker's idle time waiting for plans (from its
     results), the modelled device time of every plan, and plan and result sizes."""
     timing, shape = decoder(_ResultTiming), decoder(_PlanShape)
-    sim = SimConfig(step_base_ms=case.step_ms)
+    sim = SimConfig(sim_step_base_ms=case.step_ms)
 
     async def on_result(msg) -> None:
         if window.open:

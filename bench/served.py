@@ -29,8 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.plots import plot_latency_cdfs, plot_throughput  # noqa: E402
 from bench.workload import reference_workload  # noqa: E402
+from services.gateway.config import GatewayConfig  # noqa: E402
 from services.launcher import Stack, StackConfig, free_port  # noqa: E402
-from shared.config import SchedulerConfig, SchedulerServiceConfig  # noqa: E402
+from services.scheduler.config import SchedulerServiceConfig  # noqa: E402
+from services.worker.config import RunnerConfig  # noqa: E402
+from shared.config import SchedulerConfig  # noqa: E402
 
 Samples = dict[int, dict[str, list[float]]]  # concurrency -> {"ttft": [...], "itl": [...]} (s)
 
@@ -123,9 +126,8 @@ def run_served(
     metrics_port = free_port()
     stack = Stack(
         StackConfig(
-            model_dir=model_dir,
-            served_model_name="bench",
-            port=free_port(),
+            RunnerConfig(model_dir=model_dir),
+            GatewayConfig(served_model_name="bench", port=free_port()),
             # every concurrency runs the same prompts: none may find the last run's KV cached
             scheduler=SchedulerConfig(enable_prefix_caching=False),
             scheduler_service=SchedulerServiceConfig(metrics_port=metrics_port),

@@ -7,17 +7,20 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from argparse import Namespace
     from types import FrameType
 
+    from services.launcher import StackConfig
     from shared.cli_args import ConfigParser
 
 
 def build_serve_parser() -> ConfigParser:
+    from services.gateway.config import GatewayConfig
     from services.launcher import StackConfig
-    from services.worker.config import SimConfig
+    from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig
     from shared.cli_args import ConfigParser
     from shared.config import SchedulerConfig
 
@@ -25,19 +28,55 @@ def build_serve_parser() -> ConfigParser:
     p.add_argument(
         "--model", default=p.env("model"), help="HF-format model directory (default: embedded)"
     )
-    p.add_argument("--served-model-name", default=p.env("served_model_name"))
+    p.add_argument(
+        "--worker-device",
+        default=p.env("worker_device", RunnerConfig.device),
+        help=f"device of every worker; {SIM_DEVICE}: simulated workers, all in one process",
+    )
     p.add_config(StackConfig, build=False)
+    p.add_config(GatewayConfig, only=SERVE_GATEWAY_FIELDS, build=False)
+    p.add_config(RunnerConfig, only=SERVE_RUNNER_FIELDS, build=False)
     p.add_config(SchedulerConfig)
     p.add_config(SimConfig)
     return p
 
 
-def serve(argv: list[str]) -> int:
-    from services.launcher import Stack, StackConfig, StartupError
-    from services.worker.config import SimConfig
-    from shared.cli_args import config_from
+# The gateway's and the workers' settings that `skiff serve` takes; the stack sets the others
+# that tie the processes together, and the rest keep their defaults (or SKIFF_* variables).
+SERVE_GATEWAY_FIELDS = ("host", "port", "api_key", "served_model_name")
+SERVE_RUNNER_FIELDS = ("kv_cache_gib", "cpu_weights")
+
+
+def stack_config(
+    parser: ConfigParser,
+    args: Namespace,
+    configs: dict[type, Any],
+    model_dir: str,
+    log_dir: str | None = None,
+) -> StackConfig:
+    """The stack that `skiff serve`'s parsed flags describe, serving `model_dir`: the model
+    is named as --served-model-name says, else as --model, else as the embedded model."""
+    from services.gateway.config import GatewayConfig
+    from services.launcher import StackConfig
+    from services.worker.config import RunnerConfig, SimConfig
     from shared.config import SchedulerConfig
-    from shared.default_model import DEFAULT_MODEL_NAME, cache_root
+    from shared.default_model import DEFAULT_MODEL_NAME
+
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
+    return parser.config(
+        StackConfig,
+        args,
+        gateway=parser.config(GatewayConfig, args, served_model_name=name),
+        runner=parser.config(RunnerConfig, args, model_dir=model_dir, device=args.worker_device),
+        scheduler=configs[SchedulerConfig],
+        sim=configs[SimConfig],
+        log_dir=log_dir,
+    )
+
+
+def serve(argv: list[str]) -> int:
+    from services.launcher import Stack, StartupError
+    from shared.default_model import cache_root
 
     parser = build_serve_parser()
     args, configs = parser.parse_configs(argv)
@@ -49,20 +88,10 @@ def serve(argv: list[str]) -> int:
         if not is_prepared(default_model_dir()):
             print("skiff: preparing the embedded default model (first run only)", flush=True)
         model = str(ensure_default_model())
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
     log_dir = str(cache_root() / "logs")
-    stack = Stack(
-        config_from(
-            StackConfig,
-            args,
-            model_dir=model,
-            served_model_name=name,
-            log_dir=log_dir,
-            scheduler=configs[SchedulerConfig],
-            sim=configs[SimConfig],
-        ),
-        supervise=True,
-    )
+    config = stack_config(parser, args, configs, model, log_dir)
+    name = config.served_model_name
+    stack = Stack(config, supervise=True)
     # The first SIGINT or SIGTERM stops the stack (later ones are ignored, so that nothing
     # cuts the drain short): while starting it interrupts the start, afterwards the loop
     # below sees it. Explicit handlers: a shell may start us with SIGINT ignored.

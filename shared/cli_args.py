@@ -1,10 +1,9 @@
 """Command-line flags and `SKIFF_*` environment variables derived from the config dataclasses.
 
-Each field of a frozen config dataclass becomes one flag and one variable: `max_num_seqs` is
-`--max-num-seqs` and `SKIFF_MAX_NUM_SEQS` (a field may choose another public name with
-`setting(..., name=...)`). Precedence: flag, then variable, then the dataclass default, which is
-therefore defined in exactly one place. Booleans take `--x/--no-x` and `true/false` in the
-environment. The same definitions turn a config back into flags (`to_argv`), which is how
+Each field of a frozen config dataclass becomes one flag and one variable of its own name:
+`max_num_seqs` is `--max-num-seqs` and `SKIFF_MAX_NUM_SEQS`. Precedence: flag, then variable,
+then the dataclass default, which is therefore defined in exactly one place. Booleans take
+`--x/--no-x` and `true/false` in the environment. The same definitions turn a config back into flags (`to_argv`), which is how
 `skiff serve` configures the processes it starts.
 """
 
@@ -17,7 +16,7 @@ import os
 import signal
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, TypeVar
 
 C = TypeVar("C")
@@ -26,14 +25,14 @@ ENV_PREFIX = "SKIFF_"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def setting(default: Any, help: str, *, name: str | None = None, cli: bool = True) -> Any:
-    """A config field with its help text; `name` is its public flag/variable name when it
-    differs from the field's, `cli=False` keeps it off the command line."""
-    return dataclasses.field(default=default, metadata={"help": help, "name": name, "cli": cli})
+def setting(default: Any, help: str, *, cli: bool = True) -> Any:
+    """A config field with its help text; `cli=False` keeps it off the command line."""
+    return dataclasses.field(default=default, metadata={"help": help, "cli": cli})
 
 
-def public_name(f: dataclasses.Field[Any]) -> str:
-    return str(f.metadata.get("name") or f.name)
+def flag(name: str) -> str:
+    """The flag of the field `name`: `--max-num-seqs` for `max_num_seqs`."""
+    return "--" + name.replace("_", "-")
 
 
 def env_var(name: str) -> str:
@@ -57,10 +56,15 @@ def _scalar_type(hint: Any) -> type:
     return typing.cast(type, hint)
 
 
-def _cli_fields(cls: type) -> Iterable[tuple[dataclasses.Field[Any], type]]:
-    """Fields with a default and on the command line, with their scalar type."""
+def _cli_fields(
+    cls: type, only: Collection[str] | None = None
+) -> Iterable[tuple[dataclasses.Field[Any], type]]:
+    """Fields with a default and on the command line (of those in `only`, when given), with
+    their scalar type."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
         if f.metadata.get("cli", True) and f.default is not dataclasses.MISSING:
             yield f, _scalar_type(hints[f.name])
 
@@ -72,17 +76,22 @@ class ConfigParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
         self.env_vars: set[str] = set()  # every SKIFF_* variable this command reads
-        self._configs: list[type] = []
+        self._only: dict[type, Collection[str] | None] = {}  # config class -> its flags' fields
+        self._built: list[type] = []  # the configs parse_configs builds
 
-    def add_config(self, cls: type, *, build: bool = True) -> None:
-        """Flags for the fields of `cls`; `parse_configs` builds it unless `build` is False
-        (for a config with required fields: build it with `config_from`)."""
+    def add_config(
+        self, cls: type, *, only: Collection[str] | None = None, build: bool = True
+    ) -> None:
+        """Flags for the fields of `cls` (those in `only`, when given; the others keep their
+        defaults); `parse_configs` builds it unless `build` is False (for a config with
+        required fields: build it with `config`)."""
         summary = " ".join((cls.__doc__ or "").split("\n\n")[0].split())
         group = self.add_argument_group(cls.__name__, summary)
-        for f, kind in _cli_fields(cls):
-            self._add(group, public_name(f), f, kind)
+        for f, kind in _cli_fields(cls, only):
+            self._add(group, f, kind)
+        self._only[cls] = only
         if build:
-            self._configs.append(cls)
+            self._built.append(cls)
 
     def env(self, name: str, default: Any = None, cast: Callable[[str], Any] = str) -> Any:
         """A variable outside the configs (for a flag added by hand)."""
@@ -90,14 +99,8 @@ class ConfigParser(argparse.ArgumentParser):
         value = os.environ.get(env_var(name))
         return default if value is None else cast(value)
 
-    def _add(
-        self,
-        group: argparse._ArgumentGroup,
-        name: str,
-        f: dataclasses.Field[Any],
-        kind: type,
-    ) -> None:
-        flag = "--" + name.replace("_", "-")
+    def _add(self, group: argparse._ArgumentGroup, f: dataclasses.Field[Any], kind: type) -> None:
+        name = f.name
         cast: Callable[[str], Any] = _parse_bool if kind is bool else kind
         try:
             default = self.env(name, f.default, cast)
@@ -106,32 +109,25 @@ class ConfigParser(argparse.ArgumentParser):
         help_text = f"{f.metadata.get('help', '')} [env {env_var(name)}]"
         if kind is bool:
             action = argparse.BooleanOptionalAction
-            group.add_argument(flag, dest=name, default=default, action=action, help=help_text)
+            group.add_argument(flag(name), default=default, action=action, help=help_text)
         else:
-            group.add_argument(flag, dest=name, type=kind, default=default, help=help_text)
+            group.add_argument(flag(name), type=kind, default=default, help=help_text)
 
     def parse_configs(
         self, argv: list[str] | None = None
     ) -> tuple[argparse.Namespace, dict[type, Any]]:
         """Parse; returns the namespace and one validated instance per added config class."""
         ns = self.parse_args(argv)
-        configs: dict[type, Any] = {}
-        for cls in self._configs:
-            try:
-                configs[cls] = config_from(cls, ns)
-            except ValueError as exc:
-                self.error(str(exc))
-        return ns, configs
+        return ns, {cls: self.config(cls, ns) for cls in self._built}
 
-
-def config_from(cls: type[C], ns: argparse.Namespace, **fixed: Any) -> C:
-    """An instance of `cls` from the parsed flags (fields without a flag keep their default)."""
-    values = {
-        f.name: getattr(ns, public_name(f))
-        for f, _ in _cli_fields(cls)
-        if hasattr(ns, public_name(f))
-    }
-    return cls(**{**values, **fixed})
+    def config(self, cls: type[C], ns: argparse.Namespace, **fixed: Any) -> C:
+        """An instance of the added config `cls` from the parsed flags `ns` and the `fixed`
+        values (fields without a flag keep their default); an invalid one is a usage error."""
+        values = {f.name: getattr(ns, f.name) for f, _ in _cli_fields(cls, self._only[cls])}
+        try:
+            return cls(**{**values, **fixed})
+        except ValueError as exc:
+            self.error(str(exc))
 
 
 def to_argv(config: Any) -> list[str]:
@@ -143,11 +139,10 @@ def to_argv(config: Any) -> list[str]:
         value = getattr(config, f.name)
         if value == f.default:
             continue
-        flag = "--" + public_name(f).replace("_", "-")
         if kind is bool:
-            argv.append(flag if value else "--no-" + flag[2:])
+            argv.append(flag(f.name) if value else flag("no_" + f.name))
         elif value is not None:
-            argv += [flag, str(value)]
+            argv += [flag(f.name), str(value)]
     return argv
 
 

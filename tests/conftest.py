@@ -1,9 +1,15 @@
 """Shared fixtures and markers.
 
 The tests mirror the source tree (`tests/scheduler/` tests `services/scheduler/`, and so on).
-Every test gets one of three markers, from where it lives unless it says otherwise:
-`e2e` (tests/e2e/ and tests/offline/: real processes or the real model against transformers),
-`gpu` (needs CUDA) and `unit` (everything else; `pytest -m unit` runs in about a minute).
+Every test is `unit` or `e2e`, unless it says which itself:
+- `e2e`: it starts a service process (nats-server, a stack, Prometheus: a test that uses the
+  `nats_server` or `launch_stack` fixture, directly or through another one, is e2e wherever it
+  lives), or it lives in tests/e2e/ or tests/offline/ (real processes, or the real model
+  against transformers);
+- `unit`: everything else. A unit test starts no service; it may run a command-line tool to
+  completion on local files (`helm template`, `promtool`, `hadolint`, the Triton compiler, a
+  `python -c` import check). `pytest -m unit` runs in about a minute.
+No test needs CUDA: on a machine without it the Triton kernel tests run under the interpreter.
 """
 
 from __future__ import annotations
@@ -23,23 +29,21 @@ if not torch.cuda.is_available():
 
 
 _E2E_DIRS = ("e2e", "offline")
-_MARKERS = ("unit", "e2e", "gpu")
+# The fixtures that start a service process; every stack fixture goes through launch_stack.
+_SERVICE_FIXTURES = ("nats_server", "launch_stack")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if any(item.get_closest_marker(m) for m in _MARKERS):
+        fixtures = getattr(item, "fixturenames", ())
+        starts_a_service = any(f in fixtures for f in _SERVICE_FIXTURES)
+        if item.get_closest_marker("unit") and starts_a_service:
+            raise pytest.UsageError(f"{item.nodeid} is marked unit but starts a service")
+        if item.get_closest_marker("unit") or item.get_closest_marker("e2e"):
             continue
         folder = item.path.relative_to(Path(__file__).parent).parts[0]
-        item.add_marker(pytest.mark.e2e if folder in _E2E_DIRS else pytest.mark.unit)
-
-
-def pytest_configure(config) -> None:
-    """Prepare the embedded model before collection: some test modules read its tokenizer at
-    import time (about 30 s on the first run, nothing afterwards)."""
-    from services.worker.gguf_convert import ensure_default_model
-
-    ensure_default_model(progress=False)
+        e2e = starts_a_service or folder in _E2E_DIRS
+        item.add_marker(pytest.mark.e2e if e2e else pytest.mark.unit)
 
 
 @pytest.fixture
@@ -48,8 +52,9 @@ def nats_server():
     stack starts it, without credentials (a bare broker for tests of one service's NATS code);
     `kill("nats")` and `start_nats()` simulate an outage."""
     from services.launcher import Stack, StackConfig
+    from services.worker.config import RunnerConfig
 
-    server = Stack(StackConfig(model_dir="", served_model_name="", nats_auth=False))
+    server = Stack(StackConfig(RunnerConfig(model_dir=""), nats_auth=False))
     server.start_nats()
     yield server
     server.stop()
@@ -62,6 +67,7 @@ def nats_url(nats_server) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
+    """The embedded model, converted on first use (about 30 s, once per cache directory)."""
     from services.worker.gguf_convert import ensure_default_model
 
     return ensure_default_model(progress=False)
@@ -127,18 +133,19 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def launch_stack(smollm2_dir, tmp_path_factory):
     """Starts a real stack on the embedded model: nats-server, scheduler, CPU worker(s) and
-    gateway as processes; `launch(name, **StackConfig overrides)`. Prints the service logs
-    when it fails to start; the caller stops it."""
+    gateway as processes; `launch(name, device=..., kv_cache_gib=..., **StackConfig
+    overrides)`, the first two for the workers' RunnerConfig. Prints the service logs when it
+    fails to start; the caller stops it."""
+    from services.gateway.config import GatewayConfig
     from services.launcher import Stack, StackConfig, free_port
+    from services.worker.config import RunnerConfig
     from shared.config import SchedulerConfig
 
-    def launch(name: str, **overrides):
+    def launch(name: str, device: str = "cpu", kv_cache_gib: float = 0.25, **overrides):
         logs = tmp_path_factory.mktemp(f"{name}-logs")
         config = {
-            "model_dir": str(smollm2_dir),
-            "served_model_name": "SmolLM2-135M-Instruct",
-            "port": free_port(),
-            "kv_cache_gib": 0.25,
+            "runner": RunnerConfig(str(smollm2_dir), kv_cache_gib=kv_cache_gib, device=device),
+            "gateway": GatewayConfig(served_model_name="SmolLM2-135M-Instruct", port=free_port()),
             "scheduler_metrics_port": 0,  # not skiff serve's fixed port: stacks run side by side
             "scheduler": SchedulerConfig(max_model_len=2048),
             "log_dir": str(logs),

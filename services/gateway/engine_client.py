@@ -16,14 +16,13 @@ from typing import Protocol
 
 import msgspec
 
+from services.gateway.config import GatewayConfig
 from services.gateway.heartbeat import GatewayHeartbeats
 from services.gateway.inflight import InFlightRequests
 from services.gateway.nats_transport import NatsTransport
 from services.gateway.request_stream import EngineError, RequestStream
 from services.gateway.shards import Shards
 from shared.bus import ConnectOptions
-from shared.config import DEFAULT_SUBJECT_PREFIX
-from shared.subjects import SUBJECT_TOKEN
 from shared.wire import SubmitRequest
 
 __all__ = ["EngineClient", "EngineError", "NatsEngineClient", "RequestStream"]
@@ -52,35 +51,28 @@ class EngineClient(Protocol):
 
 
 class NatsEngineClient:
-    """`EngineClient` over NATS to `num_shards` scheduler shards; `start()` returns at once and
+    """`EngineClient` over NATS to the gateway's scheduler shards; `start()` returns at once and
     connects in the background."""
 
-    def __init__(
-        self,
-        servers: str | list[str],
-        *,
-        gateway_id: str | None = None,
-        subject_prefix: str = DEFAULT_SUBJECT_PREFIX,
-        num_shards: int = 1,
-        submit_timeout: float = 5.0,
-        heartbeat_timeout: float = 1.5,
-        orphan_timeout: float = 10.0,
-        resubmit_timeout: float = 10.0,
-        connect_options: ConnectOptions | None = None,
-    ) -> None:
-        self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
-        if not SUBJECT_TOKEN.fullmatch(self.gateway_id):
-            raise ValueError(f"gateway id must match {SUBJECT_TOKEN.pattern}: {self.gateway_id!r}")
-        self.shards = Shards(subject_prefix, num_shards, heartbeat_timeout)
+    def __init__(self, config: GatewayConfig, *, submit_timeout: float = 5.0) -> None:
+        """The client `config` describes: its NATS connection, id, shards and timeouts (a
+        request waits `scheduler_timeout` for a scheduler: one to take it when new, its
+        shard's heartbeat while in flight)."""
+        self.gateway_id = config.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
+        self.shards = Shards(
+            config.subject_prefix, config.scheduler_shards, config.heartbeat_timeout
+        )
         self.transport = NatsTransport(
-            servers,
+            config.nats_url,
             self.gateway_id,
             self.shards,
             submit_timeout=submit_timeout,
-            connect_options=connect_options,
+            connect_options=ConnectOptions.from_config(config),
         )
         self.requests = InFlightRequests(
-            self.transport, orphan_timeout=orphan_timeout, resubmit_timeout=resubmit_timeout
+            self.transport,
+            orphan_timeout=config.scheduler_timeout,
+            resubmit_timeout=config.scheduler_timeout,
         )
         self.stats = self.requests.stats
         self.heartbeats = GatewayHeartbeats(self.transport, self.gateway_id)

@@ -30,7 +30,6 @@ from services.gateway.context import GatewayContext
 from services.gateway.engine_client import EngineError, NatsEngineClient
 from services.gateway.header_timeout import with_header_timeout
 from shared import tracing
-from shared.bus import ConnectOptions
 from shared.cli_args import ConfigParser
 from shared.config import TelemetryConfig
 from shared.logs import setup_logging
@@ -120,26 +119,12 @@ async def _wait_for_tokenizer(model_dir: Path, timeout: float) -> None:
         await asyncio.sleep(1.0)
 
 
-def build_engine(config: GatewayConfig) -> NatsEngineClient:
-    """The engine client the configuration describes (not started)."""
-    return NatsEngineClient(
-        config.nats_url,
-        gateway_id=config.gateway_id,
-        subject_prefix=config.subject_prefix,
-        num_shards=config.scheduler_shards,
-        heartbeat_timeout=config.heartbeat_timeout,
-        orphan_timeout=config.scheduler_timeout,
-        resubmit_timeout=config.scheduler_timeout,
-        connect_options=ConnectOptions.from_config(config),
-    )
-
-
 async def serve(config: GatewayConfig) -> None:
     """Connect to NATS (in the background) and serve HTTP until a signal drains the server."""
     model_dir = config.resolved_model_dir
     await _wait_for_tokenizer(model_dir, config.model_wait_timeout)
     tokenizer = Tokenizer(model_dir)
-    engine = build_engine(config)
+    engine = NatsEngineClient(config)
     await engine.start()
     app = create_app(
         engine,

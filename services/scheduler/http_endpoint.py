@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
+from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.service import SchedulerService
-from shared.config import SchedulerServiceConfig
 from shared.http_probes import ProbeServer, loop_responds
 
 log = logging.getLogger("skiff.scheduler")

@@ -35,7 +35,7 @@ from kubernetes.aio.leaderelection.leaderelection import LeaderElection
 from kubernetes.aio.leaderelection.leaderelectionrecord import LeaderElectionRecord
 from kubernetes.aio.leaderelection.resourcelock.baselock import BaseLock
 
-from shared.config import SchedulerServiceConfig
+from services.scheduler.config import SchedulerServiceConfig
 
 log = logging.getLogger("skiff.scheduler.leader")
 
@@ -244,9 +244,9 @@ def elector_from_config(
 ) -> LeaderElector:
     return LeaderElector(
         lock_from_config(config),
-        lease_duration_s=config.leader_election_lease_duration_s,
-        renew_deadline_s=config.leader_election_renew_deadline_s,
-        retry_period_s=config.leader_election_retry_period_s,
+        lease_duration_s=config.leader_election_lease_duration,
+        renew_deadline_s=config.leader_election_renew_deadline,
+        retry_period_s=config.leader_election_retry_period,
         on_started_leading=on_started_leading,
         on_stopped_leading=on_stopped_leading,
     )

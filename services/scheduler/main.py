@@ -8,11 +8,12 @@ import gc
 import logging
 import os
 
+from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.http_endpoint import HttpEndpoint
 from services.scheduler.service import SchedulerService
 from shared import tracing
 from shared.cli_args import ConfigParser, wait_for_signal
-from shared.config import SchedulerConfig, SchedulerServiceConfig, TelemetryConfig
+from shared.config import SchedulerConfig, TelemetryConfig
 from shared.logs import setup_logging
 
 log = logging.getLogger("skiff.scheduler")

@@ -15,6 +15,7 @@ import msgspec
 from nats.aio.client import Client
 
 from services.scheduler.admission import Admission
+from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.gateways import GatewayLiveness
 from services.scheduler.liveness import Liveness
 from services.scheduler.metrics import SchedulerMetrics
@@ -29,7 +30,6 @@ from services.scheduler.worker_driver import StepDeadline, WorkerDriver
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared import bus, tracing
 from shared.config import SchedulerConfig
-from services.scheduler.config import SchedulerServiceConfig
 from shared.epochs import new_epoch
 from shared.subjects import Subjects
 from shared.tasks import BackgroundTasks

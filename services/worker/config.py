@@ -1,18 +1,45 @@
-"""The model runner's configuration (and a simulated worker's): frozen dataclasses, torch-free
-so that `skiff serve` and the flags of `skiff worker` can derive from them without loading
-torch."""
+"""The worker's configuration (its service, HTTP endpoint, model runner and simulated device):
+frozen dataclasses, torch-free so that `skiff serve` and the flags of `skiff worker` can derive
+from them without loading torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from shared.cli_args import setting
-from shared.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
+from shared.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_LOG_LEVEL,
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_SUBJECT_PREFIX,
+    NatsClientConfig,
+    check_positive,
+)
 
 DTYPES = ("float32", "float16", "bfloat16")
 # the CPU worker's projection weights (services/worker/weight_format.py); fp32 is exact
 CPU_WEIGHT_FORMATS = ("fp32", "bf16", "int8")
 SIM_DEVICE = "sim"  # RunnerConfig.device of a simulated worker (services/worker/sim_runner.py)
+
+
+@dataclass(frozen=True)
+class WorkerServiceConfig(NatsClientConfig):
+    """The worker service: NATS and identity."""
+
+    subject_prefix: str = setting(DEFAULT_SUBJECT_PREFIX, "prefix of every NATS subject")
+    worker_id: str = setting("worker-0", "unique per worker (the pod name in Kubernetes)")
+    served_model_name: str = setting("", "model name announced to the scheduler")
+    scheduler_shards: int = setting(
+        1, "scheduler shards; this worker serves the one its id's number selects (modulo)"
+    )
+    heartbeat_interval: float = setting(1.0, "seconds between worker heartbeats")
+    log_level: str = setting(DEFAULT_LOG_LEVEL, "DEBUG, INFO, WARNING or ERROR")
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval <= 0:
+            raise ValueError("heartbeat interval must be > 0")
+        check_positive(self, "scheduler_shards")
 
 
 @dataclass(frozen=True)
@@ -32,8 +59,8 @@ class RunnerConfig:
     device: str = setting("cpu", f"torch device: cpu, cuda, cuda:N; {SIM_DEVICE}: simulated")
     dtype: str = setting("float32", f"weights and KV cache: {', '.join(DTYPES)}")
     cuda_graphs: bool = setting(True, "decode steps replay captured graphs (CUDA only)")
-    compile: bool = setting(
-        True, "CPU decode steps run each layer as one C++ op (built once, cached on disk)"
+    fused_cpu_decode: bool = setting(
+        True, "CPU decode steps run each layer as one fused C++ op (built once, cached on disk)"
     )
     cpu_weights: str = setting(
         "fp32",
@@ -70,10 +97,8 @@ class WorkerHttpConfig:
     http_port: int = setting(0, "serve /health, /ready and /metrics on this port (0: off)")
     # vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS is 300 too; the first steps' Triton compiles
     # take seconds, not minutes (weights and CUDA graphs load before /health turns 200).
-    execute_model_timeout_s: float = setting(
-        300.0,
-        "a step running longer than this (and than the factor below allows) fails /health",
-        name="execute_model_timeout",
+    execute_model_timeout: float = setting(
+        300.0, "a step running longer than this (and than the factor below allows) fails /health"
     )
     execute_model_timeout_factor: float = setting(
         20.0, "a step must also run this many times the recent mean step time to fail /health"
@@ -82,10 +107,8 @@ class WorkerHttpConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
-        if not self.execute_model_timeout_s > 0:
-            raise ValueError(
-                f"execute_model_timeout must be > 0, got {self.execute_model_timeout_s}"
-            )
+        if not self.execute_model_timeout > 0:
+            raise ValueError(f"execute_model_timeout must be > 0, got {self.execute_model_timeout}")
         if not self.execute_model_timeout_factor >= 1:
             raise ValueError(
                 "execute_model_timeout_factor must be >= 1, "
@@ -96,36 +119,32 @@ class WorkerHttpConfig:
 @dataclass(frozen=True)
 class SimConfig:
     """A simulated worker (`--device sim`): no model, tokens from a hash. A step holds the
-    simulated device for step_base + per_token * scheduled tokens + per_req * requests; the
-    defaults model an 8B model in bf16 on one H200."""
+    simulated device for sim_step_base_ms + sim_per_token_us * scheduled tokens +
+    sim_per_req_us * requests; the defaults model an 8B model in bf16 on one H200."""
 
     # A small decode batch is memory-bound: ~16 GB of bf16 weights at ~4.8 TB/s is ~3.4 ms,
     # plus ~1.5 ms of kernel launches, sampling and host work.
-    step_base_ms: float = setting(5.0, "simulated step: fixed time, ms", name="sim_step_base_ms")
+    sim_step_base_ms: float = setting(5.0, "simulated step: fixed time, ms")
     # A token costs ~16 GFLOP (2 x 8B parameters): ~25 us at ~650 TFLOP/s of effective bf16
     # throughput; this term dominates prefill chunks.
-    per_token_us: float = setting(
-        25.0, "simulated step: time per scheduled token, us", name="sim_per_token_us"
-    )
+    sim_per_token_us: float = setting(25.0, "simulated step: time per scheduled token, us")
     # Attention reads each request's KV: ~750 tokens of context at 128 KiB each (~94 MiB) at
     # ~4.8 TB/s is ~20 us. With the terms above a 256-request decode step takes ~16.5 ms.
-    per_req_us: float = setting(
-        20.0, "simulated step: time per scheduled request, us", name="sim_per_req_us"
-    )
-    eos_rate: float = setting(
-        0.0, "chance that a sampled token is EOS (never before min_tokens)", name="sim_eos_rate"
+    sim_per_req_us: float = setting(20.0, "simulated step: time per scheduled request, us")
+    sim_eos_rate: float = setting(
+        0.0, "chance that a sampled token is EOS (never before min_tokens)"
     )
 
     def __post_init__(self) -> None:
-        for name in ("step_base_ms", "per_token_us", "per_req_us"):
+        for name in ("sim_step_base_ms", "sim_per_token_us", "sim_per_req_us"):
             if not getattr(self, name) >= 0:
-                raise ValueError(f"sim_{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.eos_rate <= 1.0:
-            raise ValueError(f"sim_eos_rate must be in [0, 1], got {self.eos_rate}")
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.sim_eos_rate <= 1.0:
+            raise ValueError(f"sim_eos_rate must be in [0, 1], got {self.sim_eos_rate}")
 
     def step_time_s(self, num_scheduled_tokens: int, num_reqs: int) -> float:
         """How long a step of this size holds the simulated device (0 for an empty plan)."""
         if not num_reqs:
             return 0.0
-        variable_us = self.per_token_us * num_scheduled_tokens + self.per_req_us * num_reqs
-        return self.step_base_ms * 1e-3 + variable_us * 1e-6
+        variable_us = self.sim_per_token_us * num_scheduled_tokens + self.sim_per_req_us * num_reqs
+        return self.sim_step_base_ms * 1e-3 + variable_us * 1e-6

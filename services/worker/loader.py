@@ -57,13 +57,14 @@ def map_name(hf_name: str) -> tuple[str, int | None] | None:
 
 def load_model(
     model_dir: str | Path,
+    config: ModelConfig,
     backend: AttentionBackend,
     device: torch.device,
     dtype: torch.dtype,
     max_positions: int,
 ) -> DecoderForCausalLM:
+    """The checkpoint of `model_dir`, whose config.json `config` holds, on `device`."""
     model_dir = Path(model_dir)
-    config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = DecoderForCausalLM(config, backend, max_positions)
     state: dict[str, torch.Tensor] = {}

@@ -10,13 +10,19 @@ import dataclasses
 import logging
 import time
 
-from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig, WorkerHttpConfig
+from services.worker.config import (
+    SIM_DEVICE,
+    RunnerConfig,
+    SimConfig,
+    WorkerHttpConfig,
+    WorkerServiceConfig,
+)
 from services.worker.health import StepWatch, WorkerProbes
 from services.worker.metrics import WorkerMetrics
 from services.worker.service import Runner, WorkerService
 from shared import bus, tracing
-from shared.cli_args import ConfigParser, config_from, wait_for_signal
-from shared.config import TelemetryConfig, WorkerServiceConfig
+from shared.cli_args import ConfigParser, wait_for_signal
+from shared.config import TelemetryConfig
 from shared.default_model import DEFAULT_MODEL_NAME
 from shared.http_probes import ProbeServer, loop_responds
 from shared.logs import setup_logging
@@ -57,10 +63,10 @@ async def serve(argv: list[str] | None = None) -> None:
     tracing.setup_tracing(telemetry.otlp_traces_endpoint, "worker")
 
     model = args.model
-    if not config.model_name:
+    if not config.served_model_name:
         name = DEFAULT_MODEL_NAME if model is None else model
-        config = dataclasses.replace(config, model_name=name)
-    metrics = WorkerMetrics(config.model_name)
+        config = dataclasses.replace(config, served_model_name=name)
+    metrics = WorkerMetrics(config.served_model_name)
     probes = WorkerProbes(loop_responds(asyncio.get_running_loop(), LOOP_TIMEOUT_S))
     server = start_http(http, metrics, probes)  # /health: 503 while the model loads
     try:
@@ -68,10 +74,7 @@ async def serve(argv: list[str] | None = None) -> None:
             from services.worker.gguf_convert import ensure_default_model
 
             model = str(ensure_default_model())  # converts only on first use
-        try:
-            runner_config = config_from(RunnerConfig, args, model_dir=model)
-        except ValueError as exc:
-            parser.error(str(exc))
+        runner_config = parser.config(RunnerConfig, args, model_dir=model)
         ids = [config.worker_id]
         if args.count > 1:
             ids = [f"{config.worker_id}-{i}" for i in range(args.count)]
@@ -83,7 +86,7 @@ async def serve(argv: list[str] | None = None) -> None:
                 dataclasses.replace(config, worker_id=worker_id),
                 runner,
                 metrics=metrics,
-                watch=StepWatch(http.execute_model_timeout_s, http.execute_model_timeout_factor),
+                watch=StepWatch(http.execute_model_timeout, http.execute_model_timeout_factor),
             )
             for worker_id, runner in zip(ids, runners, strict=True)
         ]

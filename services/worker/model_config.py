@@ -1,13 +1,13 @@
-"""The subset of a Hugging Face `config.json` that the supported architectures need."""
+"""The subset of a Hugging Face `config.json` that the supported architectures need, read once
+per worker start. Torch-free: a simulated worker (services/worker/sim_runner.py) announces the
+same vocabulary, EOS ids and context length without loading torch."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import Any
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -29,7 +29,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None
+    rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v projections (Qwen2)
@@ -84,7 +84,7 @@ class ModelConfig:
         )
 
 
-def _eos_ids(model_dir: Path, raw: dict) -> list[int]:
+def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> list[int]:
     """EOS from config.json first, then any further ones from generation_config.json."""
     ids: list[int] = []
     sources = [raw]
@@ -97,25 +97,3 @@ def _eos_ids(model_dir: Path, raw: dict) -> list[int]:
             if token_id is not None and token_id not in ids:
                 ids.append(token_id)
     return ids
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] fp32, computed as transformers does, with llama3
-    scaling applied when configured."""
-    dim = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2).float() / dim)
-    scaling = config.rope_scaling
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported rope scaling {scaling}")
-    factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(is_medium, smoothed, scaled)

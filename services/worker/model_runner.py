@@ -45,18 +45,20 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig) -> None:
-        """`config.num_blocks` must be set (`build_runner` sizes it from kv_cache_gib)."""
+    def __init__(self, config: RunnerConfig, model_config: ModelConfig | None = None) -> None:
+        """`config.num_blocks` must be set (`build_runner` sizes it from kv_cache_gib);
+        `model_config`: the model dir's, when the caller has read it already."""
         if config.num_blocks is None:
             raise ValueError("RunnerConfig.num_blocks is None: use build_runner(config)")
         self.config = config
         self.num_blocks: int = config.num_blocks
         self.device = torch.device(config.device)
-        mc = self.model_config = ModelConfig.from_dir(config.model_dir)
+        mc = self.model_config = model_config or ModelConfig.from_dir(config.model_dir)
         self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
         dtype = getattr(torch, config.dtype)
         self.model = load_model(
             config.model_dir,
+            mc,
             get_attention_backend(self.device),
             self.device,
             dtype,
@@ -90,7 +92,8 @@ class ModelRunner:
             )
             self.decode_graphs.capture()
         self.fused_cpu_decode: FusedCpuDecode | None = None
-        if self.device.type == "cpu" and config.compile and FusedCpuDecode.supports(self.model):
+        cpu = self.device.type == "cpu"
+        if cpu and config.fused_cpu_decode and FusedCpuDecode.supports(self.model):
             self.fused_cpu_decode = FusedCpuDecode(self.model, self.kv_caches)
 
     def reset(self) -> None:
@@ -292,8 +295,8 @@ def num_kv_blocks(mc: ModelConfig, block_size: int, gib: float, dtype: str) -> i
 def build_runner(config: RunnerConfig) -> ModelRunner:
     """A runner whose KV cache has `config.num_blocks` blocks or, when that is None, as many
     as fit in `config.kv_cache_gib`; its `config` carries the resolved num_blocks."""
+    mc = ModelConfig.from_dir(config.model_dir)
     if config.num_blocks is None:
-        mc = ModelConfig.from_dir(config.model_dir)
         blocks = num_kv_blocks(mc, config.block_size, config.kv_cache_gib, config.dtype)
         config = replace(config, num_blocks=blocks)
-    return ModelRunner(config)
+    return ModelRunner(config, mc)

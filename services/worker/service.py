@@ -13,14 +13,13 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from nats.aio.client import Client
 
-from services.worker.config import RunnerConfig, WorkerHttpConfig
+from services.worker.config import RunnerConfig, WorkerHttpConfig, WorkerServiceConfig
 from services.worker.health import StepWatch
 from services.worker.input_batch import InputBatch
 from services.worker.metrics import WorkerMetrics
 from services.worker.step_timer import StepTimer
 from services.worker.tracing import BatchTraces
 from shared import bus, tracing
-from services.worker.config import WorkerServiceConfig
 from shared.epochs import STALE_EPOCH_SILENCE_S, EpochFollower
 from shared.subjects import Subjects, worker_prefix
 from shared.tasks import BackgroundTasks

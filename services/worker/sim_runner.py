@@ -6,7 +6,7 @@ in the same order, so chunked prefill, preemption, resumption and async scheduli
 that decodes the token this worker sampled one step earlier) behave as on a GPU. A sampled
 token is a hash of (request key, position): the key is the request's seed when it has one (a
 seeded request gives the same tokens anywhere, as with the real sampler), else its id. EOS
-comes with probability `SimConfig.eos_rate` per token, never before `min_tokens` outputs;
+comes with probability `SimConfig.sim_eos_rate` per token, never before `min_tokens` outputs;
 logprobs put the chosen token at rank 1; structured outputs are not enforced (its batch has
 no grammar compiler: a hash follows no grammar). `step` holds the simulated device for
 `SimRunner.step_time_s(plan)` on the event loop, so many simulated workers share one thread.
@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Self
 
 import numpy as np
 
 from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig
 from services.worker.input_batch import CachedRequestState, InputBatch, apply_plan_diff
+from services.worker.model_config import ModelConfig
 from services.worker.step_timer import StepTimer
 from shared.wire import BatchPlan, ModelRunnerOutput, NewRequestData, TokenLogprobs
 
@@ -35,34 +34,6 @@ from shared.wire import BatchPlan, ModelRunnerOutput, NewRequestData, TokenLogpr
 SIM_KV_CACHE_TOKENS = 100 * 2**30 // (128 * 2**10)  # 819_200
 
 _TOKEN, _EOS, _PROB = 1, 2, 3  # independent hash streams per (key, position)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a simulated worker announces of its model, from config.json and
-    generation_config.json only (ModelConfig.from_dir reads the same fields but imports torch)."""
-
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    max_position_embeddings: int
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelInfo:
-        model_dir = Path(model_dir)
-        raw = json.loads((model_dir / "config.json").read_text())
-        sources = [raw]
-        gen_path = model_dir / "generation_config.json"
-        if gen_path.exists():
-            sources.append(json.loads(gen_path.read_text()))
-        eos: list[int] = []
-        for source in sources:
-            ids = source.get("eos_token_id")
-            eos += [i for i in (ids if isinstance(ids, list) else [ids]) if i is not None]
-        return cls(
-            vocab_size=raw["vocab_size"],
-            eos_token_ids=tuple(dict.fromkeys(eos)),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        )
 
 
 @dataclass
@@ -86,7 +57,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser, uint64 -> uint64 (multiplications wrap)."""
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
     x = (x ^ (x >> 27)) * 0x94D049BB133111EB
-    return x ^ (x >> 31)
+    mixed: np.ndarray = x ^ (x >> 31)
+    return mixed
 
 
 def _draw(keys: np.ndarray, positions: np.ndarray, stream: int) -> np.ndarray:
@@ -103,7 +75,7 @@ def sample_tokens(
     keys: np.ndarray,
     positions: np.ndarray,
     eos_allowed: np.ndarray,
-    info: ModelInfo,
+    info: ModelConfig,
     eos_rate: float,
 ) -> np.ndarray:
     """[n] tokens sampled at `positions` (each token's index in its sequence) of requests with
@@ -142,7 +114,7 @@ class SimRunner:
         self.config = replace(config, num_blocks=self.num_blocks)
         self.sim = sim
         self.device = SIM_DEVICE
-        self.model_config = ModelInfo.from_dir(config.model_dir)
+        self.model_config = ModelConfig.from_dir(config.model_dir)
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.timer = StepTimer()  # forward: the time it holds the simulated device
         self.reset()
@@ -216,7 +188,9 @@ class SimRunner:
         keys = np.fromiter((s.key for s in states), np.uint64, len(states))
         num_out = np.fromiter((len(s.output_token_ids) for s in states), np.int64, len(states))
         eos_allowed = num_out >= batch.sampling.min_tokens[sampling_rows]
-        sampled = sample_tokens(keys, positions, eos_allowed, self.model_config, self.sim.eos_rate)
+        sampled = sample_tokens(
+            keys, positions, eos_allowed, self.model_config, self.sim.sim_eos_rate
+        )
         self.timer.mark("sample")
         batch.append_tokens(sampling_rows, sampled)
         per_req: list[list[int]] = [[] for _ in req_ids]

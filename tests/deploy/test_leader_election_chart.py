@@ -9,8 +9,8 @@ import json
 
 import pytest
 
+from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.main import build_parser
-from shared.config import SchedulerServiceConfig
 from tests.deploy.test_chart_render import find, pod_spec, render
 
 ELECTED = 'scheduler={"replicas": 2, "shards": 3}'
@@ -90,9 +90,9 @@ def test_the_chart_timings_are_valid_scheduler_settings(monkeypatch):
             monkeypatch.setenv(name, value)
     _, configs = build_parser().parse_configs([])
     config = configs[SchedulerServiceConfig]
-    assert config.leader_election_lease_duration_s == 6.0
-    assert config.leader_election_renew_deadline_s == 4.0
-    assert config.leader_election_retry_period_s == 1.0
+    assert config.leader_election_lease_duration == 6.0
+    assert config.leader_election_renew_deadline == 4.0
+    assert config.leader_election_retry_period == 1.0
     assert config.lease_name == "skiff-scheduler-0"
 
 

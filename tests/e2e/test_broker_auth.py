@@ -54,7 +54,7 @@ FAKE_HELLO = WorkerHello(
 
 @pytest.fixture(scope="module")
 def auth_stack(launch_stack):
-    s = launch_stack("auth-stack", worker_device="sim", num_workers=2, sim=SIM)
+    s = launch_stack("auth-stack", device="sim", workers=2, sim=SIM)
     yield s
     s.stop()
 
@@ -275,7 +275,7 @@ def test_tls_with_a_custom_ca(launch_stack, certificates):
     connection or one that trusts another CA is refused."""
     stack = launch_stack(
         "tls-stack",
-        worker_device="sim",
+        device="sim",
         nats_server_tls_cert=str(certificates / "server.pem"),
         nats_server_tls_key=str(certificates / "server.key"),
         nats_tls_ca=str(certificates / "ca.pem"),

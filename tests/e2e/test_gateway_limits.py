@@ -45,7 +45,7 @@ def stack(launch_stack):
     with pytest.MonkeyPatch.context() as env:  # the gateway reads them at start
         for name, value in settings.items():
             env.setenv(name, str(value))
-        s = launch_stack("gateway-limits", worker_device="sim", num_workers=1)
+        s = launch_stack("gateway-limits", device="sim", workers=1)
         yield s
         s.stop()
 

@@ -17,10 +17,12 @@ import urllib.request
 import pytest
 from openai import AsyncOpenAI
 
+from services.gateway.config import GatewayConfig
 from services.launcher import Stack, StackConfig, free_port
-from services.worker.config import SimConfig
+from services.scheduler.config import SchedulerServiceConfig
+from services.worker.config import RunnerConfig, SimConfig
 from shared import bus
-from shared.config import SchedulerConfig, SchedulerServiceConfig
+from shared.config import SchedulerConfig
 from shared.subjects import Subjects
 from shared.wire import WorkerHello, decoder
 from tests.e2e.stats import scheduler_stats
@@ -28,7 +30,7 @@ from tests.e2e.test_shards import stream_tokens
 from tests.e2e.test_sim_worker import PROMPT, expected_tokens
 from tests.e2e.worker_processes import start_with_worker_processes
 
-SIM = SimConfig(step_base_ms=20.0, per_token_us=1.0, per_req_us=1.0, eos_rate=0.3)
+SIM = SimConfig(sim_step_base_ms=20.0, sim_per_token_us=1.0, sim_per_req_us=1.0, sim_eos_rate=0.3)
 STEP_TIMEOUT_S = 3.0
 VICTIM = "worker-1"
 
@@ -39,15 +41,13 @@ def two_workers(smollm2_dir, tmp_path_factory):
     gateway."""
     logs = tmp_path_factory.mktemp("hung-worker-logs")
     service = SchedulerServiceConfig(
-        step_timeout_s=STEP_TIMEOUT_S, step_timeout_per_token_s=0.001, metrics_port=free_port()
+        step_timeout=STEP_TIMEOUT_S, step_timeout_per_token=0.001, metrics_port=free_port()
     )
     stack = start_with_worker_processes(
         StackConfig(
-            model_dir=str(smollm2_dir),
-            served_model_name="SmolLM2-135M-Instruct",
-            port=free_port(),
-            worker_device="sim",
-            num_workers=2,
+            RunnerConfig(str(smollm2_dir), device="sim"),
+            GatewayConfig(served_model_name="SmolLM2-135M-Instruct", port=free_port()),
+            workers=2,
             sim=SIM,
             scheduler=SchedulerConfig(max_model_len=2048),
             scheduler_service=service,
@@ -114,11 +114,11 @@ def victim_statuses(stack: Stack) -> dict[str, str]:
 
 
 def test_a_hung_worker_loses_its_streams_to_the_other_and_comes_back(two_workers, smollm2_dir):
-    from services.worker.sim_runner import ModelInfo
+    from services.worker.model_config import ModelConfig
     from shared.tokenizer import Tokenizer
 
     stack = two_workers
-    info, tokenizer = ModelInfo.from_dir(smollm2_dir), Tokenizer(smollm2_dir)
+    info, tokenizer = ModelConfig.from_dir(smollm2_dir), Tokenizer(smollm2_dir)
     seeds, max_tokens = list(range(700, 708)), 250
     victim = stack.procs[VICTIM]
     timeouts_before = scheduler_metric(stack, "skiff_worker_step_timeouts_total", VICTIM) or 0

@@ -16,16 +16,16 @@ import time
 import pytest
 from openai import AsyncOpenAI
 
+from services.scheduler.config import SchedulerServiceConfig
 from services.worker.config import SimConfig
 from shared import bus
-from shared.config import SchedulerServiceConfig
 from shared.subjects import Subjects
 from shared.wire import SchedulerHeartbeat
 from tests.e2e.test_shards import stream_tokens
 from tests.e2e.test_sim_worker import PROMPT, expected_tokens
 
 LEASE, RENEW, RETRY = 3.0, 2.0, 1.0
-SIM = SimConfig(step_base_ms=20.0, per_token_us=1.0, per_req_us=1.0, eos_rate=0.3)
+SIM = SimConfig(sim_step_base_ms=20.0, sim_per_token_us=1.0, sim_per_req_us=1.0, sim_eos_rate=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +33,11 @@ def elected_stack(launch_stack, tmp_path_factory):
     service = SchedulerServiceConfig(
         leader_election=True,
         leader_election_lock_dir=str(tmp_path_factory.mktemp("leases")),
-        leader_election_lease_duration_s=LEASE,
-        leader_election_renew_deadline_s=RENEW,
-        leader_election_retry_period_s=RETRY,
+        leader_election_lease_duration=LEASE,
+        leader_election_renew_deadline=RENEW,
+        leader_election_retry_period=RETRY,
     )
-    s = launch_stack(
-        "leader-election", worker_device="sim", num_workers=2, sim=SIM, scheduler_service=service
-    )
+    s = launch_stack("leader-election", device="sim", workers=2, sim=SIM, scheduler_service=service)
     leader = s.procs["scheduler"]  # the first one up takes the Lease; the stack waited for it
     s.start_scheduler()  # the standby: procs["scheduler"] from now on
     yield s, leader
@@ -65,12 +63,12 @@ class Heartbeats:
 def test_the_standby_takes_over_a_killed_leader_and_every_stream_completes(
     elected_stack, smollm2_dir
 ):
-    from services.worker.sim_runner import ModelInfo
+    from services.worker.model_config import ModelConfig
     from shared.tokenizer import Tokenizer
 
     stack, leader = elected_stack
     standby = stack.procs["scheduler"]
-    info, tokenizer = ModelInfo.from_dir(smollm2_dir), Tokenizer(smollm2_dir)
+    info, tokenizer = ModelConfig.from_dir(smollm2_dir), Tokenizer(smollm2_dir)
     seeds, max_tokens = list(range(700, 708)), 300
     beats = Heartbeats()
 

@@ -11,13 +11,13 @@ import time
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from services.scheduler.config import SchedulerServiceConfig
 from services.worker.config import SimConfig
-from shared.config import SchedulerServiceConfig
 from tests.e2e.stats import scheduler_stats
 from tests.e2e.test_shards import stream_tokens
 from tests.e2e.test_sim_worker import MODEL, PROMPT, expected_tokens
 
-SIM = SimConfig(step_base_ms=20.0, per_token_us=1.0, per_req_us=1.0, eos_rate=0.3)
+SIM = SimConfig(sim_step_base_ms=20.0, sim_per_token_us=1.0, sim_per_req_us=1.0, sim_eos_rate=0.3)
 GATEWAY_TIMEOUT_S = 3.0
 
 
@@ -25,17 +25,17 @@ GATEWAY_TIMEOUT_S = 3.0
 def orphan_stack(launch_stack):
     s = launch_stack(
         "orphans",
-        worker_device="sim",
-        num_workers=2,
+        device="sim",
+        workers=2,
         sim=SIM,
-        scheduler_service=SchedulerServiceConfig(gateway_timeout_s=GATEWAY_TIMEOUT_S),
+        scheduler_service=SchedulerServiceConfig(gateway_timeout=GATEWAY_TIMEOUT_S),
     )
     yield s
     s.stop()
 
 
 def test_a_dead_gateways_requests_are_aborted_and_a_new_gateway_serves(orphan_stack, smollm2_dir):
-    from services.worker.sim_runner import ModelInfo
+    from services.worker.model_config import ModelConfig
     from shared.tokenizer import Tokenizer
 
     stack, num_streams = orphan_stack, 6
@@ -74,7 +74,7 @@ def test_a_dead_gateways_requests_are_aborted_and_a_new_gateway_serves(orphan_st
 
     stack.start_gateway()
     stack.wait_ready(60)
-    info, tokenizer = ModelInfo.from_dir(smollm2_dir), Tokenizer(smollm2_dir)
+    info, tokenizer = ModelConfig.from_dir(smollm2_dir), Tokenizer(smollm2_dir)
     client = OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=60)
     got = client.completions.create(
         model=MODEL,

@@ -23,8 +23,8 @@ PROMPT_LEN = 64
 
 @pytest.fixture(scope="module")
 def two_workers(launch_stack):
-    sim = SimConfig(step_base_ms=5.0, per_token_us=20.0, per_req_us=20.0)
-    s = launch_stack("placement-stack", worker_device="sim", num_workers=2, sim=sim)
+    sim = SimConfig(sim_step_base_ms=5.0, sim_per_token_us=20.0, sim_per_req_us=20.0)
+    s = launch_stack("placement-stack", device="sim", workers=2, sim=sim)
     yield s
     s.stop()
 

@@ -16,12 +16,12 @@ from tests.e2e.stats import scheduler_stats
 from tests.e2e.test_shards import stream_tokens
 from tests.e2e.test_sim_worker import MODEL, PROMPT, expected_tokens
 
-SIM = SimConfig(step_base_ms=20.0, per_token_us=1.0, per_req_us=1.0, eos_rate=0.3)
+SIM = SimConfig(sim_step_base_ms=20.0, sim_per_token_us=1.0, sim_per_req_us=1.0, sim_eos_rate=0.3)
 
 
 @pytest.fixture(scope="module")
 def handover_stack(launch_stack):
-    s = launch_stack("handover", worker_device="sim", num_workers=2, sim=SIM)
+    s = launch_stack("handover", device="sim", workers=2, sim=SIM)
     yield s
     s.stop()
 
@@ -40,11 +40,11 @@ async def completion_tokens(client: AsyncOpenAI, seed: int, max_tokens: int) -> 
 
 
 def test_sigterm_hands_streams_over_to_the_next_scheduler(handover_stack, smollm2_dir):
-    from services.worker.sim_runner import ModelInfo
+    from services.worker.model_config import ModelConfig
     from shared.tokenizer import Tokenizer
 
     stack = handover_stack
-    info, tokenizer = ModelInfo.from_dir(smollm2_dir), Tokenizer(smollm2_dir)
+    info, tokenizer = ModelConfig.from_dir(smollm2_dir), Tokenizer(smollm2_dir)
     seeds, gap_seeds, max_tokens = list(range(900, 908)), list(range(950, 954)), 200
     old = stack.procs["scheduler"]
     exit_s: list[float] = []

@@ -9,9 +9,12 @@ import msgspec
 import pytest
 
 from bench.workload import token_prompts
+from services.gateway.config import GatewayConfig
 from services.launcher import Stack, StackConfig
+from services.scheduler.config import SchedulerServiceConfig
+from services.worker.config import RunnerConfig
 from shared import bus
-from shared.config import SchedulerConfig, SchedulerServiceConfig
+from shared.config import SchedulerConfig
 from shared.subjects import Subjects
 from shared.tokenizer import Tokenizer
 from shared.wire import (
@@ -30,12 +33,11 @@ NEW_TOKENS = 40
 def two_worker_stack(request, smollm2_dir, tmp_path_factory):
     stack = Stack(
         StackConfig(
-            model_dir=str(smollm2_dir),
-            served_model_name="smol",
-            num_workers=2,
+            RunnerConfig(str(smollm2_dir), kv_cache_gib=0.25),
+            GatewayConfig(served_model_name="smol"),
+            workers=2,
             scheduler=SchedulerConfig(async_scheduling=request.param),
-            scheduler_service=SchedulerServiceConfig(worker_timeout_s=2.0),
-            kv_cache_gib=0.25,
+            scheduler_service=SchedulerServiceConfig(worker_timeout=2.0),
             log_dir=str(tmp_path_factory.mktemp("logs")),
         )
     )

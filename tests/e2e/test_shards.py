@@ -21,15 +21,15 @@ from tests.e2e.stats import scheduler_stats
 from tests.e2e.test_sim_worker import MODEL, PROMPT, expected_tokens
 
 NUM_SHARDS, NUM_WORKERS = 2, 4
-SIM = SimConfig(step_base_ms=5.0, per_token_us=1.0, per_req_us=1.0, eos_rate=0.3)
+SIM = SimConfig(sim_step_base_ms=5.0, sim_per_token_us=1.0, sim_per_req_us=1.0, sim_eos_rate=0.3)
 
 
 @pytest.fixture(scope="module")
 def sharded(launch_stack):
     s = launch_stack(
         "sharded",
-        worker_device="sim",
-        num_workers=NUM_WORKERS,
+        device="sim",
+        workers=NUM_WORKERS,
         scheduler_shards=NUM_SHARDS,
         sim=SIM,
     )
@@ -87,11 +87,11 @@ def test_each_shard_owns_every_other_worker(sharded):
 
 
 def test_a_shard_restart_moves_only_its_own_requests(sharded, smollm2_dir):
-    from services.worker.sim_runner import ModelInfo
+    from services.worker.model_config import ModelConfig
     from shared.tokenizer import Tokenizer
 
     wait_for_workers(sharded)
-    info, tokenizer = ModelInfo.from_dir(smollm2_dir), Tokenizer(smollm2_dir)
+    info, tokenizer = ModelConfig.from_dir(smollm2_dir), Tokenizer(smollm2_dir)
     seeds, max_tokens = list(range(500, 516)), 200
     migrated_before = gateway_counter(sharded, "skiff_gateway_engine_migrated_total")
     placed: list[int] = []  # requests each shard held when shard 1 was killed

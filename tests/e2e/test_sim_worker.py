@@ -17,20 +17,21 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from services.worker.config import SimConfig
-from services.worker.sim_runner import SIM_KV_CACHE_TOKENS, ModelInfo, request_key, sample_tokens
+from services.worker.model_config import ModelConfig
+from services.worker.sim_runner import SIM_KV_CACHE_TOKENS, request_key, sample_tokens
 from shared.config import DEFAULT_BLOCK_SIZE
 from shared.tokenizer import Tokenizer
 from tests.e2e.stats import scheduler_stats
 
 MODEL = "SmolLM2-135M-Instruct"
 NUM_WORKERS = 4
-SIM = SimConfig(step_base_ms=2.0, per_token_us=1.0, per_req_us=1.0, eos_rate=0.3)
+SIM = SimConfig(sim_step_base_ms=2.0, sim_per_token_us=1.0, sim_per_req_us=1.0, sim_eos_rate=0.3)
 PROMPT = [504, 3458, 282, 4649, 314, 253, 1345]  # token ids
 
 
 @pytest.fixture(scope="module")
 def sim_stack(launch_stack):
-    s = launch_stack("sim-stack", worker_device="sim", num_workers=NUM_WORKERS, sim=SIM)
+    s = launch_stack("sim-stack", device="sim", workers=NUM_WORKERS, sim=SIM)
     yield s
     s.stop()
 
@@ -41,8 +42,8 @@ def client(sim_stack) -> OpenAI:
 
 
 @pytest.fixture(scope="module")
-def info(smollm2_dir) -> ModelInfo:
-    return ModelInfo.from_dir(smollm2_dir)
+def info(smollm2_dir) -> ModelConfig:
+    return ModelConfig.from_dir(smollm2_dir)
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +52,14 @@ def tokenizer(smollm2_dir) -> Tokenizer:
 
 
 def expected_tokens(
-    info: ModelInfo, seed: int, prompt_len: int, n: int, min_tokens: int = 0
+    info: ModelConfig, seed: int, prompt_len: int, n: int, min_tokens: int = 0
 ) -> list[int]:
     """The first `n` tokens a simulated worker samples for a seeded request."""
     keys = np.full(n, request_key("", seed), dtype=np.uint64)
     positions = prompt_len + np.arange(n)
-    return sample_tokens(keys, positions, np.arange(n) >= min_tokens, info, SIM.eos_rate).tolist()
+    return sample_tokens(
+        keys, positions, np.arange(n) >= min_tokens, info, SIM.sim_eos_rate
+    ).tolist()
 
 
 def test_one_process_serves_every_simulated_worker(sim_stack, client):

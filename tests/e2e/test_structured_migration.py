@@ -15,7 +15,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from services.offline import SamplingParams
-from shared.config import SchedulerServiceConfig
+from services.scheduler.config import SchedulerServiceConfig
 from shared.structured_outputs import StructuredOutputsParams
 from tests.e2e.stats import scheduler_stats
 
@@ -49,8 +49,8 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def two_cpu_workers(launch_stack):
-    service = SchedulerServiceConfig(worker_timeout_s=2.0)
-    s = launch_stack("structured-migration", num_workers=2, scheduler_service=service)
+    service = SchedulerServiceConfig(worker_timeout=2.0)
+    s = launch_stack("structured-migration", workers=2, scheduler_service=service)
     deadline = time.monotonic() + 120
     while len(scheduler_stats(s)["workers"]) < 2:
         assert time.monotonic() < deadline, "the second worker did not register"

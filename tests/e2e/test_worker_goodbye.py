@@ -19,17 +19,19 @@ from pathlib import Path
 import pytest
 from openai import AsyncOpenAI
 
+from services.gateway.config import GatewayConfig
 from services.launcher import Stack, StackConfig, free_port
-from services.worker.config import SimConfig
+from services.scheduler.config import SchedulerServiceConfig
+from services.worker.config import RunnerConfig, SimConfig
 from shared import bus
-from shared.config import SchedulerConfig, SchedulerServiceConfig
+from shared.config import SchedulerConfig
 from shared.subjects import Subjects
 from shared.wire import SchedulerStats, SchedulerStatsRequest
 from tests.e2e.test_shards import stream_tokens
 from tests.e2e.test_sim_worker import PROMPT, expected_tokens
 from tests.e2e.worker_processes import start_with_worker_processes
 
-SIM = SimConfig(step_base_ms=20.0, per_token_us=1.0, per_req_us=1.0, eos_rate=0.3)
+SIM = SimConfig(sim_step_base_ms=20.0, sim_per_token_us=1.0, sim_per_req_us=1.0, sim_eos_rate=0.3)
 WORKER_TIMEOUT_S = 5.0  # the scheduler's heartbeat timeout (its default)
 MOVE_BOUND_S = 1.0
 VICTIM, SURVIVOR = "worker-1", "worker-0"
@@ -51,14 +53,12 @@ def free_port_pair() -> int:
 @pytest.fixture(scope="module")
 def two_workers(smollm2_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("goodbye-logs")
-    service = SchedulerServiceConfig(worker_timeout_s=WORKER_TIMEOUT_S)
+    service = SchedulerServiceConfig(worker_timeout=WORKER_TIMEOUT_S)
     stack = start_with_worker_processes(
         StackConfig(
-            model_dir=str(smollm2_dir),
-            served_model_name="SmolLM2-135M-Instruct",
-            port=free_port(),
-            worker_device="sim",
-            num_workers=2,
+            RunnerConfig(str(smollm2_dir), device="sim"),
+            GatewayConfig(served_model_name="SmolLM2-135M-Instruct", port=free_port()),
+            workers=2,
             sim=SIM,
             scheduler=SchedulerConfig(max_model_len=2048),
             scheduler_service=service,
@@ -122,11 +122,11 @@ class StatsWatch:
 
 
 def test_sigterm_moves_a_workers_streams_at_once(two_workers, smollm2_dir):
-    from services.worker.sim_runner import ModelInfo
+    from services.worker.model_config import ModelConfig
     from shared.tokenizer import Tokenizer
 
     stack = two_workers
-    info, tokenizer = ModelInfo.from_dir(smollm2_dir), Tokenizer(smollm2_dir)
+    info, tokenizer = ModelConfig.from_dir(smollm2_dir), Tokenizer(smollm2_dir)
     seeds, max_tokens = list(range(900, 908)), 250
     victim = stack.procs[VICTIM]
     held: dict[str, str] = {}

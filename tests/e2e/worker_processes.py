@@ -16,19 +16,19 @@ def print_logs(logs: Path) -> None:
 
 
 def start_with_worker_processes(config: StackConfig, timeout_s: float = 120) -> Stack:
-    """Start nats, the scheduler, `config.num_workers` worker processes and the gateway, and
+    """Start nats, the scheduler, `config.workers` worker processes and the gateway, and
     wait until the scheduler drives every worker; prints the logs and stops all on failure."""
     assert config.log_dir, "the logs are printed on failure"
     stack = Stack(config)
     try:
         stack.start_nats()
         stack.start_scheduler()
-        for i in range(config.num_workers):
+        for i in range(config.workers):
             stack.start_worker(i)
         stack.start_gateway()
         stack.wait_ready(timeout_s)
         deadline = time.monotonic() + 30
-        while len(scheduler_stats(stack)["workers"]) < config.num_workers:
+        while len(scheduler_stats(stack)["workers"]) < config.workers:
             assert time.monotonic() < deadline, "not every worker registered"
             time.sleep(0.2)
     except Exception:

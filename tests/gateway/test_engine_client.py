@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
+from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EngineError, NatsEngineClient
 from shared import bus
 from shared.subjects import Subjects, shard_prefixes
@@ -74,7 +75,9 @@ async def test_nats_engine_client_submit_stream_abort_and_restart(nats_url):
     nc = await nats.connect(nats_url)
     scheduler = ScriptedScheduler(nc, subjects, "epoch-1")
     await scheduler.start()
-    client = NatsEngineClient(nats_url, subject_prefix="t", gateway_id="gw1")
+    client = NatsEngineClient(
+        GatewayConfig(nats_url=nats_url, subject_prefix="t", gateway_id="gw1")
+    )
     await client.start()
     try:
         await _until(lambda: client.connected)
@@ -120,9 +123,10 @@ async def test_nats_engine_client_submit_stream_abort_and_restart(nats_url):
 async def test_nats_engine_client_not_ready_and_rejections(nats_url):
     import nats
 
-    client = NatsEngineClient(
-        nats_url, subject_prefix="t2", gateway_id="gw2", submit_timeout=0.5, resubmit_timeout=0.5
+    config = GatewayConfig(
+        nats_url=nats_url, subject_prefix="t2", gateway_id="gw2", scheduler_timeout=0.5
     )
+    client = NatsEngineClient(config, submit_timeout=0.5)
     request = SubmitRequest(
         req_id="r", gateway_id="", prompt_token_ids=[1], sampling_params=SamplingParams()
     )
@@ -162,7 +166,9 @@ async def test_nats_engine_client_moves_requests_after_reconnect(nats_server):
     )
     scheduler = ScriptedScheduler(nc, subjects, "e")
     await scheduler.start()
-    client = NatsEngineClient(nats_server.nats_url, subject_prefix="t3", gateway_id="gw3")
+    client = NatsEngineClient(
+        GatewayConfig(nats_url=nats_server.nats_url, subject_prefix="t3", gateway_id="gw3")
+    )
     await client.start()
     try:
         await _until(lambda: client.connected)
@@ -195,7 +201,9 @@ async def test_nats_engine_client_reassembles_split_output_batches(nats_url):
     nc = await nats.connect(nats_url)
     scheduler = ScriptedScheduler(nc, subjects, "e")
     await scheduler.start()
-    client = NatsEngineClient(nats_url, subject_prefix="t4", gateway_id="gw4")
+    client = NatsEngineClient(
+        GatewayConfig(nats_url=nats_url, subject_prefix="t4", gateway_id="gw4")
+    )
     await client.start()
     try:
         await _until(lambda: client.connected)
@@ -225,7 +233,9 @@ async def test_nats_engine_client_spreads_over_shards_and_moves_a_restarted_ones
     ]
     for shard in shards:
         await shard.start()
-    client = NatsEngineClient(nats_url, subject_prefix="t5", gateway_id="gw5", num_shards=2)
+    client = NatsEngineClient(
+        GatewayConfig(nats_url=nats_url, subject_prefix="t5", gateway_id="gw5", scheduler_shards=2)
+    )
     await client.start()
     try:
         await _until(lambda: client.connected)

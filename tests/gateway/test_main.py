@@ -33,12 +33,13 @@ def test_gateway_config_from_env_and_flags(monkeypatch):
 
 def test_scheduler_shards_from_flag_or_env_reach_the_engine_client(monkeypatch):
     from services.gateway.config import GatewayConfig
-    from services.gateway.main import build_engine, parse_args
+    from services.gateway.engine_client import NatsEngineClient
+    from services.gateway.main import parse_args
 
-    assert len(build_engine(parse_args([])).shards) == 1
+    assert len(NatsEngineClient(parse_args([])).shards) == 1
     monkeypatch.setenv("SKIFF_SCHEDULER_SHARDS", "2")
-    assert len(build_engine(parse_args([])).shards) == 2
-    engine = build_engine(parse_args(["--scheduler-shards", "3", "--subject-prefix", "p"]))
+    assert len(NatsEngineClient(parse_args([])).shards) == 2
+    engine = NatsEngineClient(parse_args(["--scheduler-shards", "3", "--subject-prefix", "p"]))
     assert [s.subjects.prefix for s in engine.shards] == ["p.shard0", "p.shard1", "p.shard2"]
     with pytest.raises(ValueError):
         GatewayConfig(scheduler_shards=0)

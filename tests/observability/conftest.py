@@ -21,6 +21,6 @@ def observed_stack(launch_stack, otlp_collector):
         env.setenv("SKIFF_LOG_FORMAT", "json")
         env.setenv("SKIFF_OTLP_TRACES_ENDPOINT", otlp_collector.url)
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-        stack = launch_stack("observed", worker_device="sim", num_workers=2)
+        stack = launch_stack("observed", device="sim", workers=2)
     yield stack
     stack.stop()

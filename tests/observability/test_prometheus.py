@@ -41,7 +41,7 @@ class Prometheus:
 def scrape_config(stack: Stack) -> dict:
     c, host = stack.config, "127.0.0.1"
     assert c.scheduler_metrics_port and c.worker_http_port, "the session stack serves /metrics"
-    workers = [f"{host}:{c.worker_http_port + i}" for i in range(c.num_workers)]
+    workers = [f"{host}:{c.worker_http_port + i}" for i in range(c.workers)]
     jobs = {
         "skiff-gateway": [stack.url.removeprefix("http://")],
         "skiff-scheduler": [f"{host}:{c.scheduler_metrics_port}"],

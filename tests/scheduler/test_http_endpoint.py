@@ -9,9 +9,10 @@ import urllib.error
 import urllib.request
 
 from services.launcher import free_port
+from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.http_endpoint import HttpEndpoint
 from services.scheduler.service import SchedulerService
-from shared.config import SchedulerConfig, SchedulerServiceConfig
+from shared.config import SchedulerConfig
 
 
 def get(port: int, path: str) -> tuple[int, str]:
@@ -23,7 +24,9 @@ def get(port: int, path: str) -> tuple[int, str]:
 
 
 def test_ready_while_serving(nats_url):
-    config = SchedulerServiceConfig(nats_url=nats_url, metrics_port=free_port(), model_name="m")
+    config = SchedulerServiceConfig(
+        nats_url=nats_url, metrics_port=free_port(), served_model_name="m"
+    )
 
     async def run() -> None:
         endpoint = HttpEndpoint.start(config)

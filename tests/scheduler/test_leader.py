@@ -19,6 +19,7 @@ from kubernetes.aio.client.exceptions import ApiException
 from kubernetes.aio.leaderelection.leaderelectionrecord import LeaderElectionRecord
 from kubernetes.aio.leaderelection.resourcelock.baselock import BaseLock
 
+from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.leader import (
     LeaderElectionError,
     LeaderElector,
@@ -26,7 +27,6 @@ from services.scheduler.leader import (
     lock_from_config,
 )
 from services.scheduler.lease_file import FileLeaseLock
-from shared.config import SchedulerServiceConfig
 from shared.epochs import new_epoch, supersedes
 
 LEASE, RENEW, RETRY = 3.0, 2.0, 1.0
@@ -244,9 +244,9 @@ def test_file_lease_lock_refuses_conflicting_writes(tmp_path):
 
 def test_settings_and_lock_selection(tmp_path):
     with pytest.raises(ValueError, match="lease duration > renew deadline"):
-        SchedulerServiceConfig(leader_election_lease_duration_s=4.0)  # renew deadline is 4
+        SchedulerServiceConfig(leader_election_lease_duration=4.0)  # renew deadline is 4
     with pytest.raises(ValueError, match="retry period >= 1"):
-        SchedulerServiceConfig(leader_election_retry_period_s=0.5)
+        SchedulerServiceConfig(leader_election_retry_period=0.5)
     assert SchedulerServiceConfig(subject_prefix="skiff.shard1").lease_name == (
         "skiff.shard1-scheduler"
     )

@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 
 from services.gateway.config import GatewayConfig
-from services.worker.config import RunnerConfig
-from shared.cli_args import ConfigParser, config_from, to_argv
-from shared.config import SchedulerConfig, SchedulerServiceConfig, WorkerServiceConfig
+from services.scheduler.config import SchedulerServiceConfig
+from services.worker.config import RunnerConfig, WorkerServiceConfig
+from shared.cli_args import ConfigParser, to_argv
+from shared.config import SchedulerConfig
 
 CONFIGS = [SchedulerConfig, SchedulerServiceConfig, WorkerServiceConfig, GatewayConfig]
 
@@ -40,10 +41,10 @@ def test_flag_beats_variable_beats_default(monkeypatch):
     assert (config.max_num_seqs, config.enable_prefix_caching) == (3, True)
 
 
-def test_public_names_and_optional_values(monkeypatch):
+def test_a_field_is_its_flag_and_variable(monkeypatch):
     monkeypatch.setenv("SKIFF_WORKER_TIMEOUT", "2.5")
     config = _parse(SchedulerServiceConfig, ["--served-model-name", "m"])
-    assert (config.worker_timeout_s, config.model_name) == (2.5, "m")
+    assert (config.worker_timeout, config.served_model_name) == (2.5, "m")
     gateway = _parse(GatewayConfig, ["--max-model-len", "512"])
     assert (gateway.max_model_len, gateway.api_key) == (512, None)
 
@@ -60,8 +61,8 @@ def test_bad_values_are_usage_errors(monkeypatch):
     "config",
     [
         SchedulerConfig(max_num_seqs=7, enable_prefix_caching=False),
-        SchedulerServiceConfig(nats_url="nats://h:1", worker_timeout_s=2.0, model_name="x"),
-        WorkerServiceConfig(worker_id="w-3", heartbeat_interval_s=0.25),
+        SchedulerServiceConfig(nats_url="nats://h:1", worker_timeout=2.0, served_model_name="x"),
+        WorkerServiceConfig(worker_id="w-3", heartbeat_interval=0.25),
         GatewayConfig(port=9001, api_key="k", max_model_len=64),
     ],
     ids=lambda c: type(c).__name__,
@@ -75,7 +76,7 @@ def test_to_argv_reproduces_the_config(config, monkeypatch):
 def test_a_child_inherits_the_variables_for_what_the_parent_left_alone(monkeypatch):
     monkeypatch.setenv("SKIFF_LOG_LEVEL", "DEBUG")
     monkeypatch.setenv("SKIFF_MAX_NUM_SEQS", "99")
-    config = SchedulerServiceConfig(worker_timeout_s=2.0)
+    config = SchedulerServiceConfig(worker_timeout=2.0)
     assert to_argv(config) == ["--worker-timeout", "2.0"]
     assert _parse(SchedulerServiceConfig, to_argv(config)).log_level == "DEBUG"
     assert _parse(SchedulerConfig, to_argv(SchedulerConfig(max_num_seqs=7))).max_num_seqs == 7
@@ -85,22 +86,34 @@ def test_runner_config_needs_its_model_dir():
     parser = ConfigParser()
     parser.add_config(RunnerConfig, build=False)
     args = parser.parse_args(["--kv-cache-gib", "0.5", "--no-cuda-graphs"])
-    config = config_from(RunnerConfig, args, model_dir="/m")
+    config = parser.config(RunnerConfig, args, model_dir="/m")
     assert config == RunnerConfig(model_dir="/m", kv_cache_gib=0.5, cuda_graphs=False)
     assert "SKIFF_DTYPE" in parser.env_vars and "SKIFF_MODEL_DIR" not in parser.env_vars
+    with pytest.raises(SystemExit):
+        parser.config(RunnerConfig, args, model_dir="/m", dtype="int64")
+
+
+def test_only_some_fields_of_a_config(monkeypatch):
+    monkeypatch.setenv("SKIFF_NATS_URL", "nats://elsewhere:1")
+    parser = ConfigParser()
+    parser.add_config(GatewayConfig, only=("port", "api_key"), build=False)
+    args = parser.parse_args(["--port", "9000"])
+    assert not hasattr(args, "nats_url") and "SKIFF_NATS_URL" not in parser.env_vars
+    assert parser.config(GatewayConfig, args) == GatewayConfig(port=9000)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-model-len", "64"])
 
 
 def test_serve_passes_its_settings_to_every_process():
-    from services.cli import build_serve_parser
-    from services.launcher import Stack, StackConfig
+    from services.cli import build_serve_parser, stack_config
+    from services.launcher import Stack
 
-    args, configs = build_serve_parser().parse_configs(
-        ["--max-model-len", "1024", "--kv-cache-gib", "0.5", "--workers", "2", "--port", "8123"]
-    )
-    stack_config = config_from(
-        StackConfig, args, model_dir="/m", served_model_name="n", scheduler=configs[SchedulerConfig]
-    )
-    stack = Stack(stack_config)
+    parser = build_serve_parser()
+    argv = ["--max-model-len", "1024", "--kv-cache-gib", "0.5", "--workers", "2"]
+    argv += ["--port", "8123", "--model", "/m", "--served-model-name", "n"]
+    args, configs = parser.parse_configs(argv)
+    stack_config_ = stack_config(parser, args, configs, args.model)
+    stack = Stack(stack_config_)
     spawned: dict[str, list[str]] = {}
     stack._spawn = lambda name, argv: spawned.setdefault(name, argv[3:])  # type: ignore[method-assign]
     stack.start_scheduler()
@@ -111,12 +124,15 @@ def test_serve_passes_its_settings_to_every_process():
     from services.worker.main import build_parser as worker_parser
 
     service, scheduler = scheduler_args(spawned["scheduler"])
-    assert scheduler.max_model_len == 1024 and service.model_name == "n"
-    worker_ns, worker = worker_parser().parse_configs(spawned["worker-1"])
-    runner = config_from(RunnerConfig, worker_ns, model_dir=worker_ns.model)
+    assert scheduler.max_model_len == 1024 and service.served_model_name == "n"
+    parser = worker_parser()
+    worker_ns, worker = parser.parse_configs(spawned["worker-1"])
+    runner = parser.config(RunnerConfig, worker_ns, model_dir=worker_ns.model)
     assert (runner.model_dir, runner.kv_cache_gib, runner.max_model_len) == ("/m", 0.5, 1024)
     assert worker[WorkerServiceConfig].worker_id == "worker-1"
+    assert worker[WorkerServiceConfig].served_model_name == "n"
     assert worker[WorkerServiceConfig].nats_url == stack.nats_url == service.nats_url
     gateway = gateway_args(spawned["gateway"])
     assert (gateway.port, gateway.model_dir, gateway.nats_url) == (8123, "/m", stack.nats_url)
-    assert dataclasses.replace(stack_config, num_workers=2) == stack_config
+    assert (gateway.served_model_name, gateway.max_model_len) == ("n", None)
+    assert dataclasses.replace(stack_config_, workers=2) == stack_config_

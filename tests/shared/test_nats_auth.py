@@ -11,6 +11,7 @@ import nats
 import pytest
 
 from services.launcher import Stack, StackConfig
+from services.worker.config import RunnerConfig
 from shared import bus
 from shared.nats_auth import (
     ADMIN,
@@ -146,12 +147,13 @@ def test_the_command_writes_a_private_config_from_password_files(tmp_path):
 @pytest.fixture
 def broker():
     """Our nats-server with the users of a stack of two (non-simulated) workers."""
-    server = Stack(StackConfig(model_dir="", served_model_name="", num_workers=2))
+    server = Stack(StackConfig(RunnerConfig(model_dir=""), workers=2))
     server.start_nats()
     yield server
     server.stop()
 
 
+@pytest.mark.e2e  # starts nats-server
 def test_the_server_enforces_plans_per_worker_and_private_replies(broker):
     async def run() -> None:
         errors: list[str] = []
@@ -199,6 +201,7 @@ def test_the_server_enforces_plans_per_worker_and_private_replies(broker):
     asyncio.run(run())
 
 
+@pytest.mark.e2e  # starts nats-server
 def test_a_workers_goodbye_reaches_the_scheduler(broker):
     async def run() -> None:
         def kwargs(user: str) -> dict:

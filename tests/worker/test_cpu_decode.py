@@ -91,14 +91,14 @@ def check_step(runner: ModelRunner, seq_lens: list[int]) -> None:
 
 
 def test_fused_cpu_decode_off_runs_eager(tiny_models):
-    config = RunnerConfig(model_dir=str(tiny_models["llama"]), num_blocks=8, compile=False)
+    config = RunnerConfig(model_dir=str(tiny_models["llama"]), num_blocks=8, fused_cpu_decode=False)
     assert ModelRunner(config).fused_cpu_decode is None
 
 
 def test_weights_stay_row_major_for_the_cpu_ops_kernel(tiny_models):
     """The C++ kernel builds on the CPU worker and streams contiguous [out, in] weights."""
     runner = ModelRunner(
-        RunnerConfig(model_dir=str(tiny_models["qwen2"]), num_blocks=8, compile=False)
+        RunnerConfig(model_dir=str(tiny_models["qwen2"]), num_blocks=8, fused_cpu_decode=False)
     )
     assert cpu_ops.active()
     linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]

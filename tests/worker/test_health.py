@@ -9,12 +9,11 @@ import time
 
 import pytest
 
-from services.worker.config import RunnerConfig, SimConfig, WorkerHttpConfig
+from services.worker.config import RunnerConfig, SimConfig, WorkerHttpConfig, WorkerServiceConfig
 from services.worker.health import StepWatch, WorkerProbes
 from services.worker.service import WorkerService
 from services.worker.sim_runner import SimRunner
 from shared import bus
-from services.worker.config import WorkerServiceConfig
 from shared.sampling_params import SamplingParams
 from shared.subjects import Subjects
 from shared.wire import (
@@ -131,7 +130,8 @@ def test_ready_once_adopted_and_a_goodbye_on_leaving(model_dir, nats_url):
         assert registry.get_sample_value("skiff_worker_step_seconds_count", wid) == 1  # not empty
         assert registry.get_sample_value("skiff_worker_batch_size_sum", wid) == 1
         tokens = registry.get_sample_value(
-            "vllm:iteration_tokens_total_sum", {"model_name": service.config.served_model_name, **wid}
+            "vllm:iteration_tokens_total_sum",
+            {"model_name": service.config.served_model_name, **wid},
         )
         assert tokens == 5
         assert service.watch.mean_s is not None and service.watch.check() is None

@@ -14,17 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.worker.config import RunnerConfig, SimConfig
+from services.worker.config import RunnerConfig, SimConfig, WorkerServiceConfig
+from services.worker.model_config import ModelConfig
 from services.worker.service import WorkerService
 from services.worker.sim_runner import (
     SIM_KV_CACHE_TOKENS,
-    ModelInfo,
     SimRunner,
     request_key,
     sample_tokens,
 )
 from shared import bus
-from shared.config import WorkerServiceConfig
 from shared.sampling_params import SamplingParams
 from shared.subjects import Subjects
 from shared.wire import (
@@ -41,16 +40,26 @@ BS = 4  # block size
 
 @pytest.fixture
 def model_dir(tmp_path):
-    (tmp_path / "config.json").write_text(
-        json.dumps({"vocab_size": VOCAB, "eos_token_id": 1, "max_position_embeddings": 256})
-    )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "eos_token_id": 1,
+        "max_position_embeddings": 256,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
     return tmp_path
 
 
 def runner(model_dir, eos_rate: float = 0.0, **config) -> SimRunner:
     config = {"block_size": BS, "max_num_seqs": 4, "num_blocks": 64, **config}
-    return SimRunner(RunnerConfig(model_dir=str(model_dir), **config), SimConfig(eos_rate=eos_rate))
+    return SimRunner(
+        RunnerConfig(model_dir=str(model_dir), **config), SimConfig(sim_eos_rate=eos_rate)
+    )
 
 
 def new(req_id: str, prompt_len: int, blocks: list[int], **params) -> NewRequestData:
@@ -79,7 +88,8 @@ def sampled(out: ModelRunnerOutput) -> dict[str, list[int]]:
 
 def test_model_info_and_geometry(model_dir):
     r = runner(model_dir, num_blocks=None, max_model_len=4096)
-    assert r.model_config == ModelInfo(VOCAB, EOS, 256)
+    mc = r.model_config
+    assert (mc.vocab_size, mc.eos_token_ids, mc.max_position_embeddings) == (VOCAB, EOS, 256)
     assert r.max_model_len == 256  # capped by the model's
     assert r.num_blocks == r.config.num_blocks == SIM_KV_CACHE_TOKENS // BS
     assert runner(model_dir, num_blocks=7).num_blocks == 7
@@ -161,13 +171,17 @@ def test_tokens_are_deterministic_and_avoid_eos(model_dir):
     assert generate("a", seed=5) == generate("b", seed=5) != generate("b", seed=6)
     keys = np.repeat(np.arange(500, dtype=np.uint64) * 7919, 40)
     tokens = sample_tokens(
-        keys, np.tile(np.arange(40), 500), np.ones(20000, bool), ModelInfo(VOCAB, EOS, 256), 0.0
+        keys,
+        np.tile(np.arange(40), 500),
+        np.ones(20000, bool),
+        ModelConfig.from_dir(model_dir),
+        0.0,
     )
     assert not np.isin(tokens, EOS).any() and len(np.unique(tokens)) == VOCAB - len(EOS)
 
 
 def test_eos_rate_and_min_tokens(model_dir):
-    info = ModelInfo(VOCAB, EOS, 256)
+    info = ModelConfig.from_dir(model_dir)
     keys = np.array([request_key(f"r{i}", None) for i in range(400)], np.uint64).repeat(50)
     positions = np.tile(np.arange(50), 400)
     allowed = positions >= 10
@@ -203,7 +217,7 @@ def test_logprobs_and_prompt_logprobs_in_the_runner_shape(model_dir):
 
 
 def test_step_time_model(model_dir):
-    sim = SimConfig(step_base_ms=4.0, per_token_us=100.0, per_req_us=500.0)
+    sim = SimConfig(sim_step_base_ms=4.0, sim_per_token_us=100.0, sim_per_req_us=500.0)
     r = SimRunner(RunnerConfig(model_dir=str(model_dir), block_size=BS, num_blocks=64), sim)
     p = plan(1, {"a": 5, "b": 3}, new_reqs=[new("a", 5, [0, 1]), new("b", 3, [2])])
     assert r.step_time_s(p) == pytest.approx(0.004 + 8 * 100e-6 + 2 * 500e-6)
@@ -219,9 +233,9 @@ def test_step_time_model(model_dir):
 
 def test_sim_config_rejects_bad_values():
     with pytest.raises(ValueError):
-        SimConfig(eos_rate=1.5)
+        SimConfig(sim_eos_rate=1.5)
     with pytest.raises(ValueError):
-        SimConfig(per_token_us=-1)
+        SimConfig(sim_per_token_us=-1)
 
 
 def test_count_needs_the_sim_device():
@@ -249,7 +263,7 @@ def test_service_runs_sim_steps_on_the_loop_and_resets_on_a_bad_plan(model_dir, 
     apply makes the worker come back as a new instance."""
 
     async def run() -> None:
-        sim = SimConfig(step_base_ms=20.0)
+        sim = SimConfig(sim_step_base_ms=20.0)
         config = RunnerConfig(model_dir=str(model_dir), block_size=BS, num_blocks=64)
         service = WorkerService(
             WorkerServiceConfig(nats_url=nats_url, worker_id="sim-0"), SimRunner(config, sim)
@@ -290,28 +304,18 @@ def test_service_runs_sim_steps_on_the_loop_and_resets_on_a_bad_plan(model_dir, 
 
 
 def test_serve_starts_every_simulated_worker_in_one_process():
-    from services.cli import build_serve_parser
-    from services.launcher import Stack, StackConfig
+    from services.cli import build_serve_parser, stack_config
+    from services.launcher import Stack
     from services.worker.main import build_parser as worker_parser
-    from shared.cli_args import config_from
-    from shared.config import SchedulerConfig
 
     argv = ["--worker-device", "sim", "--workers", "3", "--sim-eos-rate", "0.25"]
-    args, configs = build_serve_parser().parse_configs(argv)
-    stack = Stack(
-        config_from(
-            StackConfig,
-            args,
-            model_dir="/m",
-            served_model_name="n",
-            scheduler=configs[SchedulerConfig],
-            sim=configs[SimConfig],
-        )
-    )
+    parser = build_serve_parser()
+    args, configs = parser.parse_configs(argv)
+    stack = Stack(stack_config(parser, args, configs, "/m"))
     spawned: dict[str, list[str]] = {}
     stack._spawn = lambda name, argv: spawned.setdefault(name, argv[3:])  # type: ignore[method-assign]
     stack.start_sim_workers()
     ns, worker = worker_parser().parse_configs(spawned["sim-workers"])
     assert (ns.device, ns.count, ns.model) == ("sim", 3, "/m")
     assert worker[WorkerServiceConfig].worker_id == "worker"  # worker-0, worker-1, worker-2
-    assert worker[SimConfig] == SimConfig(eos_rate=0.25)
+    assert worker[SimConfig] == SimConfig(sim_eos_rate=0.25)

@@ -7,7 +7,8 @@ from torch import nn
 
 from kernels import ops
 from services.worker.attention import AttentionBackend, AttentionMetadata
-from services.worker.model_config import ModelConfig, rope_inv_freq
+from services.worker.model_config import ModelConfig
+from services.worker.models.rope import rope_inv_freq
 
 
 def weight_scale(module: nn.Module) -> torch.Tensor | None:
@@ -69,7 +70,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = project(self.qkv_proj, hidden)
-        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        q, k, v = torch.split(qkv, self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
