@@ -44,8 +44,11 @@ class Generation:
         metrics: GatewayMetrics,
         specs: list[ChoiceSpec],
         arrival: float | None = None,
+        priority: int = 0,
     ) -> None:
+        """`priority`: every choice's scheduling priority (lower first, as in vLLM)."""
         self.engine = engine
+        self.priority = priority
         self.metrics = metrics
         self.choices = [ChoiceState(spec, tokenizer) for spec in specs]
         arrival = time.monotonic() if arrival is None else arrival
@@ -61,6 +64,7 @@ class Generation:
                 gateway_id=gateway_id,
                 prompt_token_ids=c.spec.prompt_ids,
                 sampling_params=c.spec.params,
+                priority=self.priority,
                 traceparent=self._spans.traceparent(i) if self._spans else None,
             )
             for i, c in enumerate(self.choices)

@@ -122,6 +122,9 @@ class SamplingFields(StructuredOutputsFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    # vLLM's: with the scheduler's priority policy, lower values are scheduled first (and
+    # preempted last). Bounded so that it fits the wire.
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
 
 
 class CompletionRequest(SamplingFields):

@@ -283,7 +283,7 @@ class Endpoint(ABC, Generic[BodyT]):
             await ctx.structures.check(structure)
         prompts = await self.prompts()
         specs = choice_specs(ctx, body, prompts, self.sampling(), structure, max_model_len)
-        gen = Generation(ctx.engine, ctx.tokenizer, ctx.metrics, specs, self.arrival)
+        gen = Generation(ctx.engine, ctx.tokenizer, ctx.metrics, specs, self.arrival, body.priority)
         await gen.start()
         fmt = self.formatter(prompts, gen)
         if body.stream:
