@@ -21,6 +21,7 @@ DEFAULT_MAX_NUM_SEQS = 256
 # A cap: each worker also caps it at its model's max_position_embeddings, and the scheduler
 # uses the smallest of its own value and every worker's.
 DEFAULT_MAX_MODEL_LEN = 8192
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def check_positive(config: object, *names: str) -> None:
@@ -45,10 +46,19 @@ class SchedulerConfig:
     async_scheduling: bool = setting(
         True, "plan step N+1 while step N runs: up to two plans in flight per worker"
     )
+    scheduling_policy: str = setting(
+        "fcfs",
+        "fcfs: first come, first served; priority: by each request's priority (lower first), "
+        "then arrival, and preempt the lowest priority first",
+    )
 
     def __post_init__(self) -> None:
         check_positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
         check_positive(self, "block_size")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ class Generation:
             if self._spans is not None:
                 self._spans.end(self.choices, type(error).__name__)
             if isinstance(error, EngineError):
-                raise APIError(error.status, error.message)
+                raise APIError(error.status, error.message, error.param)
             raise error
         self._streams = streams
         self.metrics.in_flight.inc()

@@ -202,7 +202,7 @@ class InFlightRequests:
         reply = await self.transport.submit(shard, request)
         if not reply.accepted:
             self.stats.rejected += 1
-            raise _Rejected(reply.status or 503, reply.message or "request rejected")
+            raise _Rejected(reply.status or 503, reply.message or "request rejected", reply.param)
 
     def _start_move(self, record: _InFlight) -> None:
         if not record.moving:

@@ -8,12 +8,14 @@ from shared.wire import TokenDelta
 
 
 class EngineError(Exception):
-    """The engine refused or lost a request; `status` is the HTTP status for the client."""
+    """The engine refused or lost a request; `status` is the HTTP status for the client,
+    `param` the request field at fault, if one is."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.param = param
 
 
 class RequestStream:

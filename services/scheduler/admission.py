@@ -1,5 +1,6 @@
 """Whether a submission is accepted: not while leaving or without healthy workers, not beyond the
-queue limit, not twice, and only within the rules of `shared.sampling_params`."""
+queue limit, not twice, with a priority only under the "priority" scheduling policy, and only
+within the rules of `shared.sampling_params`."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ class Admission:
             return _reject(429, "the request queue is full")
         if sub.req_id in self.placement:
             return _reject(400, "duplicate request id")
+        if sub.priority != 0 and self.pool.config.scheduling_policy != "priority":
+            message = f"Got priority {sub.priority} but Priority scheduling is not enabled."
+            return _reject(400, message, param="priority")
         try:
             validate_sampling_params(sub.sampling_params, self.pool.vocab_size)
         except SamplingParamsError as exc:
@@ -45,5 +49,5 @@ class Admission:
         return SubmitReply(accepted=True)
 
 
-def _reject(status: int, message: str) -> SubmitReply:
-    return SubmitReply(accepted=False, status=status, message=message)
+def _reject(status: int, message: str, param: str | None = None) -> SubmitReply:
+    return SubmitReply(accepted=False, status=status, message=message, param=param)

@@ -77,6 +77,10 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached.setdefault(block_hash, block)
 
+    def uncache(self, block: KVBlock) -> None:
+        """Take a block out of the prefix-cache index: its KV will not match its hash."""
+        self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

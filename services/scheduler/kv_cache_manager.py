@@ -130,6 +130,15 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[request.req_id] = num_full
 
+    def uncache_from(self, request: Request, num_tokens: int) -> None:
+        """Take the request's blocks from the one holding token `num_tokens` on out of the
+        prefix cache: they were cached when allocated, and their KV will not be computed."""
+        start = num_tokens // self.block_size
+        num_cached = self.num_cached_blocks.get(request.req_id, 0)
+        for block in self.req_blocks.get(request.req_id, [])[start:num_cached]:
+            self.pool.uncache(block)
+        self.num_cached_blocks[request.req_id] = min(start, num_cached)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, keeping their hashes for reuse."""
         blocks = self.req_blocks.pop(request.req_id, [])

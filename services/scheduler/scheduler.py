@@ -3,7 +3,11 @@
 Each step every request gets tokens so that its computed tokens catch up with its known
 tokens, within the token budget and the sequence limit; long prompts are thereby chunked.
 Running requests go first; waiting ones are admitted only if nothing was preempted this step.
-When blocks run out the most recently admitted running request is preempted (recompute).
+The scheduling policy (vLLM's) orders both: with "fcfs" requests wait in arrival order and,
+when blocks run out, the most recently admitted running request is preempted (recompute);
+with "priority" they wait in (priority, arrival time) order, lower first, and the running
+request with the largest (priority, arrival time) is preempted, even one already scheduled in
+this step, which gives its tokens back.
 
 Async scheduling: a request that samples in a step gets an output placeholder, so the next
 plan can be built before the step's result arrives (the worker feeds in its own sampled
@@ -12,11 +16,11 @@ token); `update` fills placeholders with the real tokens and runs the stop check
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import FinishReason, Request, RequestStatus
+from services.scheduler.request_queue import create_request_queue
 from shared.config import SchedulerConfig
 from shared.wire import (
     BatchPlan,
@@ -50,7 +54,7 @@ class Scheduler:
         self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = create_request_queue(config.scheduling_policy)
         self.num_waiting_tokens = 0  # tokens of the waiting requests, as counted when queued
         self._queued_tokens: dict[str, int] = {}
         self.running: list[Request] = []
@@ -133,7 +137,18 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            new_block_ids = self._allocate_or_preempt(request, num_new, preempted)
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                j = self._victim_index()
+                victim = self.running.pop(j)
+                if j < i:  # scheduled earlier in this step: it gives its tokens back
+                    i -= 1
+                    budget += self._unschedule(victim, num_scheduled, cached_reqs)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_block_ids = self.kv.allocate_slots(request, num_new)
             if new_block_ids is None:
                 break  # the request preempted itself
             cached_reqs.append(
@@ -184,18 +199,32 @@ class Scheduler:
             self.max_model_len - 1 - request.num_computed_tokens,
         )
 
-    def _allocate_or_preempt(
-        self, request: Request, num_new: int, preempted: list[Request]
-    ) -> list[int] | None:
-        while True:
-            new_block_ids = self.kv.allocate_slots(request, num_new)
-            if new_block_ids is not None:
-                return new_block_ids
-            victim = self.running.pop()  # latest admitted
-            self._preempt(victim)
-            preempted.append(victim)
-            if victim is request:
-                return None
+    def _victim_index(self) -> int:
+        """Index in `running` of the request to preempt: the latest admitted ("fcfs"), or the
+        one with the largest (priority, arrival time), the latest admitted among equals
+        ("priority")."""
+        last = len(self.running) - 1
+        if self.config.scheduling_policy != "priority":
+            return last
+        running = self.running
+        return max(
+            range(last, -1, -1), key=lambda j: (running[j].priority, running[j].arrival_time)
+        )
+
+    def _unschedule(
+        self,
+        victim: Request,
+        num_scheduled: dict[str, int],
+        cached_reqs: list[CachedRequestData],
+    ) -> int:
+        """Take a running request out of the plan being built, before it is preempted; returns
+        the tokens it had been given. The blocks it had in the prefix cache for those tokens
+        leave the cache: their KV will not be computed."""
+        num_new = num_scheduled.pop(victim.req_id, 0)
+        if num_new:
+            cached_reqs[:] = [c for c in cached_reqs if c.req_id != victim.req_id]
+            self.kv.uncache_from(victim, victim.num_computed_tokens - num_new)
+        return num_new
 
     def _admit_waiting(
         self,
@@ -205,13 +234,13 @@ class Scheduler:
         cached_reqs: list[CachedRequestData],
     ) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             new_block_ids = self.kv.allocate_slots(request, num_new, hits)
             if new_block_ids is None:
                 break
-            self._dequeue(self.waiting.popleft())
+            self._dequeue(self.waiting.pop())
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -242,11 +271,11 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _enqueue(self, request: Request, front: bool = False) -> None:
-        if front:
-            self.waiting.appendleft(request)
+    def _enqueue(self, request: Request, preempted: bool = False) -> None:
+        if preempted:
+            self.waiting.prepend(request)
         else:
-            self.waiting.append(request)
+            self.waiting.add(request)
         self._queued_tokens[request.req_id] = request.num_tokens
         self.num_waiting_tokens += request.num_tokens
 
@@ -261,7 +290,7 @@ class Scheduler:
         request.num_output_placeholders = 0  # a token still in flight is appended on arrival
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue(request, front=True)
+        self._enqueue(request, preempted=True)
 
     # ---- results -----------------------------------------------------------------------
 

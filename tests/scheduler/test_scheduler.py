@@ -126,7 +126,7 @@ def test_preemption_latest_admitted_first():
     assert plan.preempted_req_ids == ["third"]
     assert set(plan.num_scheduled_tokens) == {"first", "second"}
     assert s.requests["third"].status == RequestStatus.PREEMPTED
-    assert s.waiting[0].req_id == "third" and s.num_preemptions == 1
+    assert s.waiting.peek().req_id == "third" and s.num_preemptions == 1
     assert s.requests["third"].num_computed_tokens == 0
 
 
