@@ -77,9 +77,17 @@ def test_http_config_is_checked():
 
 @pytest.fixture
 def model_dir(tmp_path):
-    (tmp_path / "config.json").write_text(
-        json.dumps({"vocab_size": 50, "eos_token_id": 1, "max_position_embeddings": 256})
-    )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 50,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "eos_token_id": 1,
+        "max_position_embeddings": 256,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
     return tmp_path
 
 
