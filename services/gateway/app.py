@@ -26,6 +26,7 @@ from services.gateway.middleware import (
     BodyLimitMiddleware,
     RequestContextMiddleware,
 )
+from services.gateway.serving import Payload
 from services.gateway.tracing import TracingMiddleware
 from shared import tracing
 from shared.tokenizer import Tokenizer
@@ -94,7 +95,7 @@ def _service_router(ctx: GatewayContext) -> APIRouter:
     api = APIRouter()
 
     @api.get("/v1/models")
-    async def list_models() -> dict:
+    async def list_models() -> Payload:
         return {
             "object": "list",
             "data": [
@@ -119,7 +120,7 @@ def _service_router(ctx: GatewayContext) -> APIRouter:
         return Response(status_code=200)
 
     @api.get("/version")
-    async def version() -> dict:
+    async def version() -> Payload:
         return {"version": _version()}
 
     @api.get("/metrics")

@@ -25,11 +25,19 @@ from services.gateway.structured import Structure, requested_structure
 from shared.sampling_params import check_prompt_fits, check_token_ids
 
 
+def _batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a request: one text, one list of token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    token_ids = [t for t in prompt if isinstance(t, int)]
+    if token_ids:  # one prompt of token ids (a list holds one kind of item)
+        return [token_ids]
+    return [p for p in prompt if not isinstance(p, int)]
+
+
 async def _prompts(ctx: GatewayContext, body: CompletionRequest) -> list[Prompt]:
     """The prompts, each bounded by the context length before it is tokenized or decoded."""
-    raw = body.prompt
-    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-        raw = [raw]  # type: ignore[list-item]
+    raw = _batch(body.prompt)
     if not raw:
         raise APIError(400, "prompt must not be empty", "prompt")
     check_num_choices(len(raw), body.n)

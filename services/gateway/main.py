@@ -173,7 +173,7 @@ def run_gateway(config: GatewayConfig, telemetry: TelemetryConfig | None = None)
     telemetry = telemetry or TelemetryConfig()
     setup_logging(config.log_level, "gateway", telemetry.log_format)
     tracing.setup_tracing(telemetry.otlp_traces_endpoint, "gateway")
-    disable_created_metrics()
+    disable_created_metrics()  # type: ignore[no-untyped-call]
     asyncio.run(serve(config))
 
 

@@ -56,7 +56,7 @@ class GatewayMetrics:
         """vLLM's per-request latencies and token counts, labelled by model."""
         model, reg = ["model_name"], self.registry
 
-        def hist(name: str, doc: str, buckets: tuple) -> Histogram:
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, model, buckets=buckets, registry=reg).labels(self._model)
 
         def count(name: str, doc: str) -> Counter:
@@ -123,7 +123,7 @@ class GatewayMetrics:
         ready.set_function(lambda: float(engine.ready))
         if hasattr(engine, "connected"):
             connected = Gauge("skiff_nats_connected", "1 while connected to NATS.", registry=reg)
-            connected.set_function(lambda: float(engine.connected))  # type: ignore[attr-defined]
+            connected.set_function(lambda: float(engine.connected))
         if hasattr(engine, "stats"):
             reg.register(_EngineStatsCollector(engine))
 

@@ -12,6 +12,7 @@ from services.gateway.schemas import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from services.gateway.serving import Payload
 from shared.sampling_params import check_token_ids
 
 
@@ -19,7 +20,7 @@ def router(ctx: GatewayContext) -> APIRouter:
     api = APIRouter()
 
     @api.post("/tokenize")
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> Payload:
         ctx.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             text = ctx.render_chat(
@@ -40,7 +41,7 @@ def router(ctx: GatewayContext) -> APIRouter:
         }
 
     @api.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    async def detokenize(body: DetokenizeRequest) -> Payload:
         ctx.check_model(body.model)
         if len(body.tokens) > SMALL_INPUT and len(body.tokens) > ctx.max_model_len():
             raise APIError(

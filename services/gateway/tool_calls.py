@@ -248,7 +248,7 @@ class CallScanner:
             return False, []
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return False, []
-        arguments = next((call[k] for k in self._keys if k in call), {})
+        arguments: object = next((call[k] for k in self._keys if k in call), {})
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
         if not (_utf8(call["name"]) and _utf8(arguments)):

@@ -129,3 +129,15 @@ async def test_completion_echo_token_prompt_and_logprobs(client, engine, tokeniz
     assert lp["top_logprobs"][-1][lp["tokens"][-1]] == -0.5
     assert 2 <= len(lp["top_logprobs"][-1]) <= 3
     assert engine.submitted[0].sampling_params.prompt_logprobs == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("prompt", ["hi", ["hi", "hi there"], [5, 6, 7], [[5, 6], [7]]], ids=str)
+async def test_completion_prompt_shapes(client, engine, tokenizer, prompt):
+    """A text, a list of texts, one list of token ids, or a list of such lists."""
+    r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+    expected = [tokenizer.encode(p) if isinstance(p, str) else p for p in batch]
+    assert [s.prompt_token_ids for s in engine.submitted] == expected
+    assert len(r.json()["choices"]) == len(batch)
