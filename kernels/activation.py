@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kernels._checks import check, check_device
 
 BLOCK = 1024
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _silu_and_mul_kernel(
-    x_ptr,  # [num_tokens, 2 * d]: gate | up
-    out_ptr,  # [num_tokens, d]
-    d,
-    stride_x,
-    stride_out,
+    x_ptr: tl.tensor,  # [num_tokens, 2 * d]: gate | up
+    out_ptr: tl.tensor,  # [num_tokens, d]
+    d: tl.tensor,
+    stride_x: tl.tensor,
+    stride_out: tl.tensor,
     BLOCK: tl.constexpr,
-):
+) -> None:
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d

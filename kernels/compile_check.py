@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Protocol
 
 from kernels._checks import next_pow2
 
@@ -28,14 +29,23 @@ F32_PTRS = {"cos_sin_ptr", "lse_ptr", "partial_ptr"}
 # a non-power-of-two head, prefill with a non-power-of-two group
 ATTENTION_TILINGS = ((128, 4, 1, 16, 1, 4), (128, 4, 16, 64, 1, 8), (80, 4, 1, 16, 4, 4),
                      (64, 3, 21, 64, 1, 8))  # fmt: skip
+Constexprs = dict[str, int | str | None]
+Spec = tuple["Kernel", str, Constexprs, int]  # (kernel, element type, constexprs, num_warps)
 
 
-def specializations() -> list[tuple[object, str, dict, int]]:
+class Kernel(Protocol):
+    """What this check reads of a `triton.jit` function."""
+
+    __name__: str
+    arg_names: list[str]
+
+
+def specializations() -> list[Spec]:
     """(kernel, element type, constexprs, num_warps) for the variants the wrappers launch."""
     from kernels import activation, kv_cache, paged_attention, rms_norm, rotary
 
     pa = paged_attention._paged_attention_kernel
-    specs: list[tuple[object, str, dict, int]] = []
+    specs: list[Spec] = []
     for ty in ("bf16", "fp16", "fp32"):
         specs += [
             (activation._silu_and_mul_kernel, ty, {"BLOCK": 1024}, 4),
@@ -57,9 +67,12 @@ def specializations() -> list[tuple[object, str, dict, int]]:
     return specs
 
 
-def signature(fn: object, ty: str, constexprs: dict) -> tuple[dict, dict]:
+def signature(
+    fn: Kernel, ty: str, constexprs: Constexprs
+) -> tuple[dict[str, str], dict[tuple[int], list[list[str | int]]]]:
     """Argument types by naming convention, and alignment hints on pointers and strides."""
-    sig, attrs = {}, {}
+    sig: dict[str, str] = {}
+    attrs: dict[tuple[int], list[list[str | int]]] = {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
@@ -70,13 +83,14 @@ def signature(fn: object, ty: str, constexprs: dict) -> tuple[dict, dict]:
             sig[name] = "fp32" if name in F32_ARGS else "i32"
         if name.endswith("_ptr") or (name.startswith("stride") and name != "stride_table"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    if "out_ptr" in sig and constexprs.get("NUM_SPLITS", 1) > 1:
+    num_splits = constexprs.get("NUM_SPLITS", 1)
+    if "out_ptr" in sig and isinstance(num_splits, int) and num_splits > 1:
         sig["out_ptr"] = "*fp32"  # split partials
     return sig, attrs
 
 
 def resource_usage(cubin: bytes) -> str:
-    import triton.backends.nvidia as nvidia
+    import triton.backends.nvidia as nvidia  # type: ignore[import-untyped]
 
     tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -95,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         print("set TRITON_INTERPRET=0: the interpreter has nothing to compile", file=sys.stderr)
         return 2
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
+    from triton.compiler import ASTSource  # type: ignore[import-untyped]
 
     target = GPUTarget("cuda", args.arch, 32)
     for fn, ty, constexprs, warps in specializations():

@@ -6,32 +6,32 @@ head_dim]; slot = block_id * block_size + offset; slot -1 marks a padding token 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kernels._checks import INDEX_DTYPES, check, check_device, check_shape
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _write_kv_kernel(
-    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
-    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
-    cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping_ptr,  # [num_tokens]
-    num_kv_heads,
-    head_dim,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kv,
-    stride_block,
-    stride_offset,
-    stride_head,
+    key_ptr: tl.tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr: tl.tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cache_ptr: tl.tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr: tl.tensor,  # [num_tokens]
+    num_kv_heads: tl.tensor,
+    head_dim: tl.tensor,
+    stride_kt: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_vt: tl.tensor,
+    stride_vh: tl.tensor,
+    stride_kv: tl.tensor,
+    stride_block: tl.tensor,
+    stride_offset: tl.tensor,
+    stride_head: tl.tensor,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+) -> None:
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:

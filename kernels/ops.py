@@ -47,7 +47,8 @@ def linear(
     `weight_scale` [out, in / 32]; it hands shapes it does not cover back to torch);
     `F.linear` elsewhere."""
     if use_cpu_ops(x):
-        return torch.ops.skiff_cpu.linear(x, weight, bias, weight_scale)
+        out: torch.Tensor = torch.ops.skiff_cpu.linear(x, weight, bias, weight_scale)
+        return out
     return F.linear(x, weight, bias)
 
 
@@ -60,7 +61,10 @@ def rms_norm(
 
         return kernel.rms_norm(x, weight, eps, residual)
     if use_cpu_ops(x):
-        return torch.ops.skiff_cpu.rms_norm(x, weight, eps, residual)
+        normed: tuple[torch.Tensor, torch.Tensor] = torch.ops.skiff_cpu.rms_norm(
+            x, weight, eps, residual
+        )
+        return normed
     return reference.rms_norm(x, weight, eps, residual)
 
 
@@ -73,7 +77,10 @@ def rotary_embedding(
 
         return kernel.rotary_embedding(positions, query, key, cos_sin_cache)
     if use_cpu_ops(query):
-        return torch.ops.skiff_cpu.rotary_embedding(positions, query, key, cos_sin_cache)
+        rotated: tuple[torch.Tensor, torch.Tensor] = torch.ops.skiff_cpu.rotary_embedding(
+            positions, query, key, cos_sin_cache
+        )
+        return rotated
     return reference.rotary_embedding(positions, query, key, cos_sin_cache)
 
 
@@ -84,7 +91,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return kernel.silu_and_mul(x)
     if use_cpu_ops(x):
-        return torch.ops.skiff_cpu.silu_and_mul(x)
+        out: torch.Tensor = torch.ops.skiff_cpu.silu_and_mul(x)
+        return out
     return reference.silu_and_mul(x)
 
 

@@ -3,30 +3,30 @@
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kernels._checks import check, check_device, check_shape
 
 MAX_HIDDEN = 65536
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _rms_norm_kernel(
-    x_ptr,  # [num_tokens, hidden]
-    residual_ptr,  # [num_tokens, hidden] (unused without HAS_RESIDUAL)
-    weight_ptr,  # [hidden]
-    out_ptr,  # [num_tokens, hidden]
-    residual_out_ptr,  # [num_tokens, hidden]: x + residual
-    hidden,
-    eps,
-    stride_x,
-    stride_residual,
-    stride_out,
-    stride_residual_out,
+    x_ptr: tl.tensor,  # [num_tokens, hidden]
+    residual_ptr: tl.tensor,  # [num_tokens, hidden] (unused without HAS_RESIDUAL)
+    weight_ptr: tl.tensor,  # [hidden]
+    out_ptr: tl.tensor,  # [num_tokens, hidden]
+    residual_out_ptr: tl.tensor,  # [num_tokens, hidden]: x + residual
+    hidden: tl.tensor,
+    eps: tl.tensor,
+    stride_x: tl.tensor,
+    stride_residual: tl.tensor,
+    stride_out: tl.tensor,
+    stride_residual_out: tl.tensor,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-):
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -82,7 +82,8 @@ def rms_norm(
 
 
 def _num_warps(hidden: int) -> int:
-    return min(16, max(1, triton.next_power_of_2(hidden) // 256))
+    block: int = triton.next_power_of_2(hidden)
+    return min(16, max(1, block // 256))
 
 
 def _rms_norm_nd(

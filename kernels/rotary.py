@@ -7,27 +7,27 @@ any frequency scaling (llama3, linear, …) is whatever the model baked into tha
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kernels._checks import INDEX_DTYPES, check, check_device, check_shape
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _rotate_heads(
-    x_ptr,  # one token's [num_heads, head_dim]
-    out_ptr,
-    stride_h,
-    stride_out_h,
-    cos,  # [BLOCK_HALF] fp32
-    sin,
-    num_heads,
+    x_ptr: tl.tensor,  # one token's [num_heads, head_dim]
+    out_ptr: tl.tensor,
+    stride_h: tl.tensor,
+    stride_out_h: tl.tensor,
+    cos: tl.tensor,  # [BLOCK_HALF] fp32
+    sin: tl.tensor,
+    num_heads: tl.tensor,
     HEAD_DIM: tl.constexpr,
     ROT_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+) -> None:
     heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     half = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
     mask = (heads < num_heads) & (half < ROT_HALF)
@@ -45,31 +45,31 @@ def _rotate_heads(
         tl.store(out_ptr + heads * stride_out_h + dims, rest, mask=keep)
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _rotary_kernel(
-    positions_ptr,  # [num_tokens]
-    query_ptr,  # [num_tokens, num_heads, head_dim]
-    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
-    cos_sin_ptr,  # [max_position, 2 * ROT_HALF]
-    query_out_ptr,
-    key_out_ptr,
-    num_heads,
-    num_kv_heads,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_qot,
-    stride_qoh,
-    stride_kot,
-    stride_koh,
-    stride_cache,
+    positions_ptr: tl.tensor,  # [num_tokens]
+    query_ptr: tl.tensor,  # [num_tokens, num_heads, head_dim]
+    key_ptr: tl.tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_ptr: tl.tensor,  # [max_position, 2 * ROT_HALF]
+    query_out_ptr: tl.tensor,
+    key_out_ptr: tl.tensor,
+    num_heads: tl.tensor,
+    num_kv_heads: tl.tensor,
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_kt: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_qot: tl.tensor,
+    stride_qoh: tl.tensor,
+    stride_kot: tl.tensor,
+    stride_koh: tl.tensor,
+    stride_cache: tl.tensor,
     HEAD_DIM: tl.constexpr,
     ROT_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+) -> None:
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     half = tl.arange(0, BLOCK_HALF)
