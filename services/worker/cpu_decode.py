@@ -9,11 +9,13 @@ to the memory bandwidth, which is what bounds a decode step on the CPU.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from kernels import cpu_ops
 from services.worker.attention import AttentionMetadata
-from services.worker.models.decoder import DecoderForCausalLM
+from services.worker.models.decoder import DecoderForCausalLM, DecoderLayer
 from services.worker.models.layers import weight_scale
 
 
@@ -26,8 +28,9 @@ class FusedCpuDecode:
         self.eps = mc.rms_norm_eps
         self.num_heads = mc.num_attention_heads
         self.block_size = kv_caches[0].shape[2]
-        self.scale = model.layers[0].self_attn.scale
-        pairs = zip(model.layers, kv_caches, strict=True)
+        layers = cast(list[DecoderLayer], list(model.layers))
+        self.scale = layers[0].self_attn.scale
+        pairs = zip(layers, kv_caches, strict=True)
         self.layers = [_layer_args(layer, cache) for layer, cache in pairs]
 
     @staticmethod
@@ -36,8 +39,8 @@ class FusedCpuDecode:
         services/worker/weight_format.py format; head_dim and projection inputs of 16k
         floats)."""
         mc = model.config
-        dims = (mc.hidden_size, mc.intermediate_size, mc.num_attention_heads * mc.head_dim)
-        dims += (mc.head_dim,)
+        q_size = mc.num_attention_heads * mc.head_dim
+        dims = (mc.hidden_size, mc.intermediate_size, q_size, mc.head_dim)
         return (
             cpu_ops.load()
             and model.norm.weight.dtype == torch.float32
@@ -59,13 +62,14 @@ class FusedCpuDecode:
             hidden, residual = torch.ops.skiff_cpu.decode_layer(
                 hidden, residual, *pre, cos_sin, *cache, *step, *post, *attention
             )
-        return model.norm(hidden, residual)[0]
+        normed: torch.Tensor = model.norm(hidden, residual)[0]
+        return normed
 
 
 _Args = tuple[torch.Tensor | None, ...]
 
 
-def _layer_args(layer: torch.nn.Module, kv_cache: torch.Tensor) -> tuple[_Args, _Args, _Args]:
+def _layer_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[_Args, _Args, _Args]:
     """A layer's arguments of `decode_layer`, looked up once (module attribute lookups cost
     microseconds, per layer and step): those before cos_sin, the key and value caches as
     [num_slots, kv_heads, head_dim] views, and the weights after the step's tensors."""

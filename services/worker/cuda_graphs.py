@@ -63,12 +63,13 @@ class DecodeGraphs:
 
     def forward_static(self, bucket: int) -> torch.Tensor:
         """The forward pass over the static buffers (what gets captured)."""
-        return self.model(
+        hidden: torch.Tensor = self.model(
             self.input_ids[:bucket],
             self.positions[:bucket],
             self.kv_caches,
             self.static_meta(bucket),
         )
+        return hidden
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -83,7 +84,13 @@ class DecodeGraphs:
             self.graphs[bucket] = graph
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def load(self, input_ids, positions, meta: AttentionMetadata, bucket: int) -> None:
+    def load(
+        self,
+        input_ids: torch.Tensor,  # [n]
+        positions: torch.Tensor,  # [n]
+        meta: AttentionMetadata,
+        bucket: int,
+    ) -> None:
         """Copy one decode step into the static buffers, padding rows n..bucket-1."""
         n, width = input_ids.shape[0], meta.block_table.shape[1]
         self.input_ids[:n].copy_(input_ids)
@@ -97,7 +104,12 @@ class DecodeGraphs:
         self.seq_lens[n:bucket].fill_(1)
         self.block_table[n:bucket].zero_()
 
-    def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor | None:
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [n]
+        positions: torch.Tensor,  # [n]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
         """Hidden states [n, hidden] of a decode-only step, or None if no graph fits it."""
         n = input_ids.shape[0]
         bucket = self.bucket_for(n)

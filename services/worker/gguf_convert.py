@@ -28,7 +28,7 @@ def convert_gguf(gguf_path: Path, model_dir: Path, progress: bool = True) -> Non
     """
     import torch
     from safetensors.torch import save_file
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     steps = tqdm(total=4, desc=f"preparing {model_dir.name}", disable=not progress, unit="step")

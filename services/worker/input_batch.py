@@ -135,14 +135,14 @@ class InputBatch:
         for hole in range(num_reqs):
             if self.req_ids[hole] is not None:
                 continue
-            while self.req_ids[last] is None:
+            while (req_id := self.req_ids[last]) is None:
                 last -= 1
-            self._move(last, hole)
+            self._move(req_id, last, hole)
             last -= 1
         self.num_reqs = num_reqs
 
-    def _move(self, src: int, dst: int) -> None:
-        req_id = self.req_ids[src]
+    def _move(self, req_id: str, src: int, dst: int) -> None:
+        """Move request `req_id` from row `src` to the free row `dst`."""
         self.req_ids[dst], self.req_ids[src] = req_id, None
         self.req_id_to_index[req_id] = dst
         n = self.num_tokens[src]

@@ -44,6 +44,11 @@ class StepInputs:
     sampling: np.ndarray  # [num_reqs] bool: request reached the end of its known tokens
 
 
+# A request's prompt logprobs in one step: (its state, its number of top alternatives, the
+# entries to send, how many of them this step computed, their first row among the step's)
+_PromptSpan = tuple[CachedRequestState, int, range, int, int]
+
+
 class ModelRunner:
     def __init__(self, config: RunnerConfig, model_config: ModelConfig | None = None) -> None:
         """`config.num_blocks` must be set (`build_runner` sizes it from kv_cache_gib);
@@ -138,7 +143,10 @@ class ModelRunner:
                 return hidden
         if self.fused_cpu_decode is not None and inputs.meta.max_query_len == 1:
             return self.fused_cpu_decode.forward(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        out: torch.Tensor = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta
+        )
+        return out
 
     def _update_states(self, plan: BatchPlan) -> None:
         apply_plan_diff(self.batch, self.requests, plan, CachedRequestState)
@@ -226,10 +234,14 @@ class ModelRunner:
     def _logprobs_lists(
         self, result: SamplerOutput, rows: np.ndarray
     ) -> list[TokenLogprobs | None]:
-        if result.logprobs is None:
+        top_ids, top_values, ranks_t = (
+            result.logprob_token_ids,
+            result.logprobs,
+            result.sampled_ranks,
+        )
+        if top_ids is None or top_values is None or ranks_t is None:
             return [None] * len(rows)
-        ids, values = result.logprob_token_ids.tolist(), result.logprobs.tolist()
-        ranks = result.sampled_ranks.tolist()
+        ids, values, ranks = top_ids.tolist(), top_values.tolist(), ranks_t.tolist()
         wanted = self.batch.sampling.num_logprobs[rows].tolist()
         return [
             TokenLogprobs(ids[j][: k + 1], values[j][: k + 1], ranks[j]) if k >= 0 else None
@@ -251,7 +263,10 @@ class ModelRunner:
             return {}
         num_sched = [plan.num_scheduled_tokens[r] for r in inputs.req_ids]
         query_start = np.cumsum([0, *num_sched])
-        spans, hidden_rows, targets = [], [], []
+        spans: list[_PromptSpan] = []
+        hidden_rows: list[int] = []
+        targets: list[int] = []
+        num_top = self.batch.sampling.num_prompt_logprobs[inputs.rows].tolist()
         for i in wanted.tolist():
             state = self.requests[inputs.req_ids[i]]
             if state.output_token_ids:  # prompt done (here or on the worker it came from)
@@ -263,23 +278,28 @@ class ModelRunner:
             if not entries:
                 continue
             computed = range(max(entries.start, start + 1), entries.stop)
-            spans.append((state, entries, len(computed), len(hidden_rows)))
+            spans.append((state, num_top[i], entries, len(computed), len(hidden_rows)))
             hidden_rows.extend(query_start[i] + q - 1 - start for q in computed)
             targets.extend(prompt[q] for q in computed)
         return self._prompt_logprobs_lists(spans, hidden, hidden_rows, targets)
 
     def _prompt_logprobs_lists(
-        self, spans: list, hidden: torch.Tensor, hidden_rows: list[int], targets: list[int]
+        self,
+        spans: list[_PromptSpan],
+        hidden: torch.Tensor,
+        hidden_rows: list[int],
+        targets: list[int],
     ) -> dict[str, list[TokenLogprobs | None]]:
         top = None
         if hidden_rows:
-            num_top = max(int(s.sampling_params.prompt_logprobs) for s, *_ in spans)
+            num_top = max(span[1] for span in spans)
             rows, tgt = np.asarray(hidden_rows, np.int64), np.asarray(targets, np.int64)
             top = prompt_lp.compute(self.model.compute_logits, hidden, rows, tgt, num_top)
         out: dict[str, list[TokenLogprobs | None]] = {}
-        for state, entries, num_computed, lo in spans:
-            k = state.sampling_params.prompt_logprobs
-            values = prompt_lp.to_lists(top, lo, lo + num_computed, k) if num_computed else []
+        for state, k, entries, num_computed, lo in spans:
+            values: list[TokenLogprobs] = []
+            if top is not None and num_computed:
+                values = prompt_lp.to_lists(top, lo, lo + num_computed, k)
             out[state.req_id] = [None] * (len(entries) - num_computed) + values
             state.num_prompt_logprobs_sent = entries.stop
         return out

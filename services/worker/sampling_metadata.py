@@ -22,6 +22,7 @@ from services.worker.sampler.metadata import (
     LogprobsSpec,
     Penalties,
     SamplingMetadata,
+    TokenBias,
     TokenRows,
 )
 from services.worker.sampling_columns import SamplingColumns
@@ -60,7 +61,7 @@ def build_sampling_metadata(
         allowed=_allowed(cols, rows, vocab_size, dev),
         bad_words=_bad_words(batch, rows, dev),
         min_tokens=_min_tokens(batch, rows, output_len, eos_token_ids, dev),
-        logit_bias=_token_rows(cols.logit_bias, rows, dev),
+        logit_bias=_logit_bias(cols.logit_bias, rows, dev),
         penalties=_penalties(batch, rows, dev),
         grammar=grammar,
         logprobs=_logprobs(cols, rows, dev),
@@ -101,13 +102,14 @@ def _allowed(
     return Allowed(_tensor(sel, device), _tensor(banned, device))
 
 
-def _token_rows(table: TokenTable, rows: np.ndarray, device: torch.device) -> TokenRows | None:
+def _logit_bias(table: TokenTable, rows: np.ndarray, device: torch.device) -> TokenBias | None:
+    """The biases of `rows` in `table` (a table with values)."""
     sel = np.flatnonzero(table.has[rows])
-    if not sel.size:
+    if not sel.size or table.values is None:
         return None
     picked = rows[sel]
-    values = None if table.values is None else _tensor(table.values[picked], device)
-    return TokenRows(_tensor(sel, device), _tensor(table.ids[picked], device), values)
+    ids, values = _tensor(table.ids[picked], device), _tensor(table.values[picked], device)
+    return TokenBias(_tensor(sel, device), ids, values)
 
 
 def _bad_words(batch: InputBatch, rows: np.ndarray, device: torch.device) -> BadWords | None:

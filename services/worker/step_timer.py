@@ -26,7 +26,8 @@ class StepTimer:
             import torch
 
             self._events = {
-                p: torch.cuda.Event(enable_timing=True) for p in ("prepare", *_DEVICE_PHASES)
+                p: torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                for p in ("prepare", *_DEVICE_PHASES)
             }
 
     def begin(self) -> None:

@@ -45,6 +45,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
+    cos_sin_cache: torch.Tensor  # [max_positions, rot_dim], a buffer
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -73,7 +75,8 @@ class DecoderForCausalLM(nn.Module):
             hidden, residual = layer(
                 positions, hidden, residual, kv_cache, meta, self.cos_sin_cache
             )
-        return self.norm(hidden, residual)[0]
+        normed: torch.Tensor = self.norm(hidden, residual)[0]
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_reqs, hidden_size] -> logits [num_reqs, vocab_size]."""

@@ -20,7 +20,7 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda or 4 * k * _BLOCK > vocab:
         return x.topk(k, dim=1)
     full = vocab - vocab % _BLOCK
-    maxima = x[:, :full].unflatten(1, (-1, _BLOCK)).amax(dim=2)  # [r, full / BLOCK]
+    maxima = torch.unflatten(x[:, :full], 1, (-1, _BLOCK)).amax(dim=2)  # [r, full / BLOCK]
     blocks = maxima.topk(k, dim=1).indices  # [r, k]
     offsets = torch.arange(_BLOCK, device=x.device)
     cols = (blocks.unsqueeze(2) * _BLOCK + offsets).flatten(1)  # [r, k * BLOCK]
@@ -37,7 +37,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda or vocab < 4 * _BLOCK:
         return x.argmax(dim=1)
     full = vocab - vocab % _BLOCK
-    maxima = x[:, :full].unflatten(1, (-1, _BLOCK)).amax(dim=2)  # [r, full / BLOCK]
+    maxima = torch.unflatten(x[:, :full], 1, (-1, _BLOCK)).amax(dim=2)  # [r, full / BLOCK]
     best = maxima.max(dim=1, keepdim=True)  # first block holding the maximum
     cols = best.indices * _BLOCK + torch.arange(_BLOCK, device=x.device)  # [r, BLOCK]
     index = cols.gather(1, x.gather(1, cols).argmax(dim=1, keepdim=True)).squeeze(1)

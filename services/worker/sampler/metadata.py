@@ -16,11 +16,17 @@ from shared.sampling_params import is_greedy
 
 @dataclass
 class TokenRows:
-    """Token ids, and optionally a value per id, for some rows."""
+    """Token ids for some rows."""
 
     rows: torch.Tensor  # [r] int64
     token_ids: torch.Tensor  # [r, width] int64; short rows repeat their first id
-    values: torch.Tensor | None = None  # [r, width] fp32; 0 where padded
+
+
+@dataclass
+class TokenBias(TokenRows):
+    """Token ids with a value per id (logit_bias) for some rows."""
+
+    values: torch.Tensor  # [r, width] fp32; 0 where padded
 
 
 @dataclass
@@ -94,7 +100,7 @@ class SamplingMetadata:
     allowed: Allowed | None = None
     bad_words: BadWords | None = None
     min_tokens: TokenRows | None = None  # ids to ban (stop ids + EOS) while below min_tokens
-    logit_bias: TokenRows | None = None
+    logit_bias: TokenBias | None = None
     penalties: Penalties | None = None
     grammar: GrammarMask | None = None
     logprobs: LogprobsSpec | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.sampler.metadata import Allowed, BadWords, GrammarMask, TokenRows
+from services.worker.sampler.metadata import Allowed, BadWords, GrammarMask, TokenBias, TokenRows
 from services.worker.sampler.topk_topp import on_rows
 
 _NEG_INF = float("-inf")
@@ -36,7 +36,7 @@ def ban_tokens(logits: torch.Tensor, ban: TokenRows) -> None:
     logits[ban.rows.unsqueeze(1), ban.token_ids] = _NEG_INF
 
 
-def apply_logit_bias(logits: torch.Tensor, bias: TokenRows) -> None:
+def apply_logit_bias(logits: torch.Tensor, bias: TokenBias) -> None:
     """Add each row's bias to its listed ids (padding adds 0)."""
     rows = bias.rows.unsqueeze(1).expand_as(bias.token_ids)
     logits.index_put_((rows, bias.token_ids), bias.values, accumulate=True)

@@ -90,7 +90,7 @@ def _block_sums(probs: torch.Tensor, size: int) -> torch.Tensor:
     full = vocab - vocab % size
     parts = []
     if full:
-        parts.append(probs[:, :full].unflatten(1, (-1, size)).sum(dim=2))
+        parts.append(torch.unflatten(probs[:, :full], 1, (-1, size)).sum(dim=2))
     if full < vocab:
         parts.append(probs[:, full:].sum(dim=1, keepdim=True))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -17,7 +17,7 @@ import torch
 
 from services.worker.sampler import block_topk, processors, topk_topp
 from services.worker.sampler.logprobs import scatter_rows, top_logprobs
-from services.worker.sampler.metadata import SamplingMetadata
+from services.worker.sampler.metadata import LogprobsSpec, SamplingMetadata
 from services.worker.sampler.penalties import apply_penalties
 from services.worker.sampler.random import row_uniforms, sample_candidates, sample_inverse_cdf
 from services.worker.sampler.topk_topp import Cutoffs, mask_below, rows_of
@@ -47,7 +47,7 @@ class Sampler:
         if not len(logits):
             return SamplerOutput(torch.empty(0, dtype=torch.long, device=logits.device))
         lp = meta.logprobs
-        raw = self._raw(logits, meta) if lp is not None else None
+        raw = self._raw(logits, meta, lp.raw_rows) if lp is not None else None
         logits = logits.float()
         apply_logit_processors(logits, meta)
         if meta.penalties is not None:
@@ -59,7 +59,7 @@ class Sampler:
         sampled, processed = self._sample(logits, meta)
         result = SamplerOutput(sampled_token_ids=sampled)
         if lp is not None:
-            _attach_logprobs(result, meta, raw, processed)
+            _attach_logprobs(result, lp, raw, processed)
         return result
 
     def _sample(
@@ -67,9 +67,9 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         lp = meta.logprobs
         processed_rows = lp.processed_rows if lp is not None else None
-        greedy = None if meta.all_random else block_topk.argmax(logits)
         if meta.all_greedy:
-            return greedy, self._snapshot("processed", logits, processed_rows)
+            return block_topk.argmax(logits), self._snapshot("processed", logits, processed_rows)
+        greedy = None if meta.all_random else block_topk.argmax(logits)
         if meta.needs_temperature:
             topk_topp.apply_temperature(logits, meta.temperature)
         cut = None
@@ -84,9 +84,10 @@ class Sampler:
             sampled = torch.where(meta.greedy_mask, greedy, sampled)
         return sampled, processed
 
-    def _raw(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
-        """Raw logits of the rows with a raw_* logprobs mode, safe from in-place steps."""
-        rows = meta.logprobs.raw_rows
+    def _raw(
+        self, logits: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Raw logits of `rows` (those with a raw_* logprobs mode), safe from in-place steps."""
         if rows is not None and logits.dtype == torch.float32 and meta.changes_logits:
             return self._snapshot("raw", logits, rows)
         return None if rows is None else rows_of(logits, rows).float()
@@ -119,13 +120,12 @@ def draw(
     set sample from it; the others from their full (masked) row."""
     tokens = torch.zeros(len(logits), dtype=torch.long, device=logits.device)
     full = rows
-    if cut is not None and cut.small_rows is not None:
-        tokens[cut.small_rows] = sample_candidates(
-            cut.small_values, cut.small_ids, u[cut.small_rows]
-        )
+    if cut is not None and cut.small is not None:
+        small = cut.small
+        tokens[small.rows] = sample_candidates(small.values, small.ids, u[small.rows])
         is_full = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)
         is_full[rows] = True
-        is_full[cut.small_rows] = False
+        is_full[small.rows] = False
         full = torch.nonzero(is_full).squeeze(1)
     if full.numel():
         x = rows_of(logits, full)
@@ -149,15 +149,16 @@ def apply_logit_processors(logits: torch.Tensor, meta: SamplingMetadata) -> None
 
 def _attach_logprobs(
     result: SamplerOutput,
-    meta: SamplingMetadata,
+    lp: LogprobsSpec,
     raw: torch.Tensor | None,
     processed: torch.Tensor | None,
 ) -> None:
-    lp, sampled = meta.logprobs, result.sampled_token_ids
+    """raw / processed: the logits of lp.raw_rows / lp.processed_rows (None: no such rows)."""
+    sampled = result.sampled_token_ids
     parts = [
         (rows, top_logprobs(values, sampled[rows], lp.max_num, lp.as_logprobs[rows]))
         for rows, values in ((lp.raw_rows, raw), (lp.processed_rows, processed))
-        if rows is not None
+        if rows is not None and values is not None
     ]
     top = scatter_rows(parts, len(sampled))
     result.logprob_token_ids, result.logprobs, result.sampled_ranks = (

@@ -31,11 +31,18 @@ _NEG_INF = float("-inf")
 
 
 @dataclass
+class SmallSets:
+    """The rows that keep at most SMALL tokens, with those tokens in token-id order."""
+
+    rows: torch.Tensor  # [s]
+    values: torch.Tensor  # [s, <=SMALL] kept logits; -inf pads
+    ids: torch.Tensor  # [s, <=SMALL] their token ids
+
+
+@dataclass
 class Cutoffs:
     threshold: torch.Tensor  # [n, 1] smallest logit each row keeps; -inf keeps everything
-    small_rows: torch.Tensor | None = None  # [s] rows that keep at most SMALL tokens
-    small_values: torch.Tensor | None = None  # [s, <=SMALL] kept logits in token-id order
-    small_ids: torch.Tensor | None = None  # [s, <=SMALL] their token ids; -inf pads values
+    small: SmallSets | None = None  # None: no row keeps at most SMALL tokens
 
 
 def rows_of(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -43,8 +50,9 @@ def rows_of(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x if rows.numel() == x.shape[0] else x[rows]
 
 
-def on_rows(x: torch.Tensor, rows: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
-    """Apply the in-place `fn` to x[rows]; no gather when rows are all rows."""
+def on_rows(x: torch.Tensor, rows: torch.Tensor, fn: Callable[[torch.Tensor], object]) -> None:
+    """Apply the in-place `fn` to x[rows] (its result is ignored); no gather when rows are all
+    rows."""
     sub = rows_of(x, rows)
     fn(sub)
     if sub is not x:
@@ -160,6 +168,5 @@ def _small_sets(
         return Cutoffs(threshold)
     kept = mask_below(values[small, :SMALL], thr[small])
     order = ids[small, :SMALL].argsort(dim=1)
-    return Cutoffs(
-        threshold, rows[small], kept.gather(1, order), ids[small, :SMALL].gather(1, order)
-    )
+    sets = SmallSets(rows[small], kept.gather(1, order), ids[small, :SMALL].gather(1, order))
+    return Cutoffs(threshold, sets)

@@ -396,7 +396,7 @@ def test_small_kept_sets_sample_like_the_full_row():
     plain = [Req(SamplingParams(seed=i), [1], [2] * (i % 5)) for i in range(n)]
     meta = make_metadata(filtered, vocab)
     cut = compute_cutoffs(row.repeat(n, 1), meta.filters)
-    assert cut.small_rows is not None and len(cut.small_rows) == n
+    assert cut.small is not None and len(cut.small.rows) == n
     assert _sample(filtered, row.repeat(n, 1)) == _sample(plain, masked.repeat(n, 1))
 
 
