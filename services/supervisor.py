@@ -15,20 +15,20 @@ from dataclasses import dataclass
 class Backoff:
     """When to restart a process that exited (systemd's `Restart=always` with a growing delay)."""
 
-    initial_s: float = 0.5
-    max_s: float = 30.0
-    stable_s: float = 60.0  # a process that ran this long starts over at `initial_s`
+    initial_delay: float = 0.5
+    max_delay: float = 30.0
+    stable_period: float = 60.0  # a process that ran this long starts over at `initial_delay`
     crash_loop_after: int = 3  # exits in a row that make a crash loop
 
     def delay(self, exits: int) -> float:
         """The wait before the restart that follows the `exits`-th exit in a row."""
-        return min(self.initial_s * 2.0 ** (exits - 1), self.max_s)
+        return min(self.initial_delay * 2.0 ** (exits - 1), self.max_delay)
 
 
 @dataclass
 class _Child:
     started_at: float
-    exits: int = 0  # in a row, each before the process ran `stable_s`
+    exits: int = 0  # in a row, each before the process ran `stable_period`
     restart_at: float | None = None  # set while the process is down
 
 
@@ -42,13 +42,13 @@ class Supervisor:
         restart: Callable[[str], None],
         say: Callable[[str], None],
         backoff: Backoff | None = None,
-        poll_s: float = 0.1,
+        poll_interval: float = 0.1,
     ) -> None:
         self._procs = procs
         self._restart = restart
         self._say = say
         self.backoff = backoff or Backoff()
-        self._poll_s = poll_s
+        self._poll_interval = poll_interval
         self._children: dict[str, _Child] = {}
         self._retired: set[str] = set()
         self._lock = threading.Lock()  # held while checking or restarting
@@ -70,7 +70,7 @@ class Supervisor:
         self._thread.join()
 
     def _run(self) -> None:
-        while not self._stopped.wait(self._poll_s):
+        while not self._stopped.wait(self._poll_interval):
             with self._lock:
                 self.tend(time.monotonic())
 
@@ -86,7 +86,7 @@ class Supervisor:
                 self._start(name, child)
 
     def _down(self, name: str, child: _Child, why: str, now: float) -> None:
-        if now - child.started_at >= self.backoff.stable_s:
+        if now - child.started_at >= self.backoff.stable_period:
             child.exits = 0
         child.exits += 1
         delay = self.backoff.delay(child.exits)
@@ -94,7 +94,7 @@ class Supervisor:
         if child.exits >= self.backoff.crash_loop_after:
             self._say(
                 f"{name} {why}: crash loop, {child.exits} exits in a row, each within "
-                f"{self.backoff.stable_s:.0f} s of its start (see its log); "
+                f"{self.backoff.stable_period:.0f} s of its start (see its log); "
                 f"restarting in {delay:g} s"
             )
         else:

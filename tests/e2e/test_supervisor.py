@@ -42,7 +42,7 @@ def supervise(argv: list[str], backoff: Backoff) -> tuple[list[str], Supervisor]
     def restart(name: str) -> None:
         procs[name] = subprocess.Popen(argv)
 
-    supervisor = Supervisor(procs, restart, said.append, backoff, poll_s=0.01)
+    supervisor = Supervisor(procs, restart, said.append, backoff, poll_interval=0.01)
     supervisor.start()
     return said, supervisor
 
@@ -52,13 +52,13 @@ def delays(said: list[str]) -> list[float]:
 
 
 def test_backoff_doubles_up_to_its_maximum():
-    backoff = Backoff(initial_s=0.5, max_s=30.0)
+    backoff = Backoff(initial_delay=0.5, max_delay=30.0)
     assert [backoff.delay(n) for n in range(1, 9)] == [0.5, 1, 2, 4, 8, 16, 30, 30]
 
 
 def test_a_crash_loop_backs_off_and_is_reported():
     said, supervisor = supervise(
-        [sys.executable, "-c", "raise SystemExit(3)"], Backoff(0.05, 0.2, stable_s=60.0)
+        [sys.executable, "-c", "raise SystemExit(3)"], Backoff(0.05, 0.2, stable_period=60.0)
     )
     deadline = time.monotonic() + 30
     while len(delays(said)) < 5 and time.monotonic() < deadline:
@@ -72,7 +72,7 @@ def test_a_crash_loop_backs_off_and_is_reported():
 
 
 def test_a_process_that_ran_a_stable_period_starts_over():
-    said, supervisor = supervise(["sleep", "0.3"], Backoff(0.05, 0.2, stable_s=0.2))
+    said, supervisor = supervise(["sleep", "0.3"], Backoff(0.05, 0.2, stable_period=0.2))
     deadline = time.monotonic() + 30
     while len(delays(said)) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
