@@ -19,6 +19,7 @@ from services.worker.config import (
 )
 from services.worker.health import StepWatch, WorkerProbes
 from services.worker.metrics import WorkerMetrics
+from services.worker.model_config import ModelConfig
 from services.worker.service import Runner, WorkerService
 from shared import bus, tracing
 from shared.cli_args import ConfigParser, wait_for_signal
@@ -79,7 +80,7 @@ async def serve(argv: list[str] | None = None) -> None:
         if args.count > 1:
             ids = [f"{config.worker_id}-{i}" for i in range(args.count)]
         started = time.perf_counter()
-        runners = [build(runner_config, configs[SimConfig]) for _ in ids]
+        runners = build(runner_config, configs[SimConfig], len(ids))
         metrics.load_seconds.set(time.perf_counter() - started)
         services = [
             WorkerService(
@@ -102,15 +103,17 @@ async def serve(argv: list[str] | None = None) -> None:
             server.stop()
 
 
-def build(config: RunnerConfig, sim: SimConfig) -> Runner:
-    """The model runner (loads the weights), or a simulated one."""
+def build(config: RunnerConfig, sim: SimConfig, count: int) -> list[Runner]:
+    """The model runner (loads the weights), or `count` simulated ones; either way the model's
+    config.json is read once."""
     if config.device == SIM_DEVICE:
         from services.worker.sim_runner import SimRunner
 
-        return SimRunner(config, sim)
+        model_config = ModelConfig.from_dir(config.model_dir)
+        return [SimRunner(config, sim, model_config) for _ in range(count)]
     from services.worker.model_runner import build_runner
 
-    return build_runner(config)
+    return [build_runner(config)]
 
 
 async def run(

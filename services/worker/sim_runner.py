@@ -108,13 +108,16 @@ def prompt_entry_range(num_prompt: int, start: int, num_scheduled: int, sent: in
 class SimRunner:
     """ModelRunner's surface for WorkerService, with a simulated device."""
 
-    def __init__(self, config: RunnerConfig, sim: SimConfig) -> None:
-        """`config.num_blocks` None: an H200's KV cache for an 8B model (SIM_KV_CACHE_TOKENS)."""
+    def __init__(
+        self, config: RunnerConfig, sim: SimConfig, model_config: ModelConfig | None = None
+    ) -> None:
+        """`config.num_blocks` None: an H200's KV cache for an 8B model (SIM_KV_CACHE_TOKENS);
+        `model_config`: the model dir's, when the caller has read it already."""
         self.num_blocks = config.num_blocks or SIM_KV_CACHE_TOKENS // config.block_size
         self.config = replace(config, num_blocks=self.num_blocks)
         self.sim = sim
         self.device = SIM_DEVICE
-        self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.model_config = model_config or ModelConfig.from_dir(config.model_dir)
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.timer = StepTimer()  # forward: the time it holds the simulated device
         self.reset()
