@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from shared.cli_args import ConfigParser
 
 
+# The gateway's and the workers' settings that `skiff serve` takes; the stack sets the others
+# that tie the processes together, and the rest keep their defaults (or SKIFF_* variables).
+SERVE_GATEWAY_FIELDS = ("host", "port", "api_key", "served_model_name")
+SERVE_RUNNER_FIELDS = ("kv_cache_gib", "cpu_weights")
+
+
 def build_serve_parser() -> ConfigParser:
     from services.gateway.config import GatewayConfig
     from services.launcher import StackConfig
@@ -39,12 +45,6 @@ def build_serve_parser() -> ConfigParser:
     p.add_config(SchedulerConfig)
     p.add_config(SimConfig)
     return p
-
-
-# The gateway's and the workers' settings that `skiff serve` takes; the stack sets the others
-# that tie the processes together, and the rest keep their defaults (or SKIFF_* variables).
-SERVE_GATEWAY_FIELDS = ("host", "port", "api_key", "served_model_name")
-SERVE_RUNNER_FIELDS = ("kv_cache_gib", "cpu_weights")
 
 
 def stack_config(

