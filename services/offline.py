@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypedDict
 
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput, Scheduler, plan_has_work
@@ -23,6 +23,7 @@ from services.worker.model_runner import build_runner
 from shared.config import SchedulerConfig
 from shared.sampling_params import (
     SamplingParams,
+    SamplingParamsError,
     check_prompt_fits,
     check_token_ids,
     validate_sampling_params,
@@ -30,7 +31,48 @@ from shared.sampling_params import (
 from shared.tokenizer import Tokenizer
 from shared.wire import BatchPlan, ModelRunnerOutput, TokenLogprobs, decoder, encode
 
-__all__ = ["LLM", "CompletionOutput", "GenerationOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "GenerationOutput",
+    "PromptType",
+    "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
+]
+
+
+class TextPrompt(TypedDict):
+    """vLLM's text prompt: tokenized with the model's tokenizer."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's prompt given as token ids."""
+
+    prompt_token_ids: list[int]
+
+
+# One prompt, in vLLM's forms (a bare list of token ids as well).
+PromptType = str | list[int] | TextPrompt | TokensPrompt
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+
+
+def _prompt_error(problem: str) -> SamplingParamsError:
+    forms = "a str, a list of token ids, {'prompt': str} or {'prompt_token_ids': list[int]}"
+    return SamplingParamsError(f"{problem}: a prompt is {forms}", "prompt")
+
+
+def _unwrap(prompt: dict[Any, Any]) -> tuple[str, object]:
+    """(key, value) of a TextPrompt or TokensPrompt dict."""
+    unsupported = sorted(map(repr, prompt.keys() - _PROMPT_KEYS))
+    if unsupported:
+        raise _prompt_error(f"unsupported prompt key(s) {', '.join(unsupported)}")
+    if len(prompt) != 1:
+        raise _prompt_error(f"a prompt dict holds one key, got {sorted(prompt)}")
+    ((key, value),) = prompt.items()
+    return key, value
 
 
 @dataclass
@@ -98,18 +140,20 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | list[str] | list[list[int]],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
         """Run all prompts to completion together; outputs come back in prompt order.
 
-        An invalid parameter or a prompt that does not fit the context raises
+        `prompts` is one prompt or a sequence of them; a list of ints is one prompt. A prompt
+        in another form, an invalid parameter or a prompt that does not fit the context raises
         `SamplingParamsError` (a ValueError) before anything is scheduled.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            batch: list[str | list[int]] = [prompts]
+        batch: list[object]
+        if isinstance(prompts, list | tuple) and not (prompts and isinstance(prompts[0], int)):
+            batch = list(prompts)
         else:
-            batch = cast("list[str | list[int]]", prompts)
+            batch = [prompts]  # one prompt: a str, a dict or a list of token ids
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(batch)
         checked = [self._check(prompt, p) for prompt, p in zip(batch, params_list, strict=True)]
@@ -132,17 +176,29 @@ class LLM:
                 completion.text = self.tokenizer.decode(completion.token_ids)
         return list(results.values())
 
-    def _check(
-        self, prompt: str | list[int], params: SamplingParams
-    ) -> tuple[str | None, list[int]]:
+    def _check(self, prompt: object, params: SamplingParams) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt whose parameters are valid and that fits the context."""
         vocab_size = self.runner.model_config.vocab_size
         validate_sampling_params(params, vocab_size)
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        text, token_ids = self._parse(prompt)
         check_prompt_fits(len(token_ids), self.runner.max_model_len)
         check_token_ids(token_ids, vocab_size, "prompt")
         return text, token_ids
+
+    def _parse(self, prompt: object) -> tuple[str | None, list[int]]:
+        """(text, token ids) of one prompt in any of vLLM's forms."""
+        if isinstance(prompt, dict):
+            key, prompt = _unwrap(prompt)
+            if (key == "prompt") != isinstance(prompt, str):
+                raise _prompt_error(f"{key!r} holds a {type(prompt).__name__}")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple):
+            raise _prompt_error(f"got a {type(prompt).__name__}")
+        not_ints = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
+        if not_ints:
+            raise SamplingParamsError(f"token ids must be ints, got {not_ints[:3]!r}", "prompt")
+        return None, list(prompt)
 
     def _run(self) -> Iterator[RequestOutput]:
         """Step until every request finished, with the scheduler's plans in flight (two with

@@ -1,5 +1,5 @@
-"""`LLM.generate` checks every prompt and its parameters before scheduling anything, and gives
-the choices of n > 1 the seeds of `SamplingParams.for_choice`."""
+"""`LLM.generate` takes vLLM's prompt forms, checks every prompt and its parameters before
+scheduling anything, and gives the choices of n > 1 the seeds of `SamplingParams.for_choice`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,50 @@ def test_bad_prompt_raises_before_scheduling(llm):  # too long, empty, out of vo
     assert_refused(llm, [[5, 6, 7], [5, 10**6]], GOOD, "prompt")  # an id outside the vocab
     out = llm.generate([[5] * (MAX_MODEL_LEN - 1)], GOOD)[0].outputs[0]
     assert len(out.token_ids) == 1 and out.finish_reason == "length"  # the context is full
+
+
+def test_token_id_prompts_match_the_text_prompt(smollm2_dir):
+    llm = LLM(smollm2_dir, num_blocks=64, max_model_len=256)
+    text = "The capital of France is"
+    ids = llm.tokenizer.encode(text)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    forms = [text, {"prompt": text}, {"prompt_token_ids": ids}, ids]
+    outs = llm.generate(forms, params)
+    assert [o.prompt for o in outs] == [text, text, None, None]
+    assert all(o.prompt_token_ids == ids for o in outs)
+    expected = outs[0].outputs[0].token_ids
+    assert len(expected) == 12 and all(o.outputs[0].token_ids == expected for o in outs)
+    for one in ({"prompt_token_ids": ids}, ids, text):  # a single prompt, not in a list
+        (out,) = llm.generate(one, params)
+        assert out.outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (
+            {"prompt_token_ids": [5], "cache_salt": "x"},
+            "unsupported prompt key(s) 'cache_salt': a prompt is a str",
+        ),
+        ({"prompt": "t5", "prompt_token_ids": [5]}, "a prompt dict holds one key"),
+        ({}, "a prompt dict holds one key, got []"),
+        ({"prompt": [5, 6]}, "'prompt' holds a list"),
+        ({"prompt_token_ids": "t5 t6"}, "'prompt_token_ids' holds a str"),
+        ({"prompt_token_ids": [5, "6"]}, "token ids must be ints, got ['6']"),
+        ([5, 6.0], "token ids must be ints, got [6.0]"),
+        ([[5, 6]], "token ids must be ints, got [[5, 6]]"),
+        (None, "got a NoneType: a prompt is a str, a list of token ids, {'prompt': str} or"),
+        ({"prompt_token_ids": []}, "The decoder prompt cannot be empty"),
+        ({"prompt_token_ids": [5, 211]}, "token_id(s) [211] in prompt contain out-of-vocab"),
+    ],
+)
+def test_a_prompt_in_another_form_is_refused(llm, bad, message):
+    with pytest.raises(SamplingParamsError) as info:
+        llm.generate([[5, 6, 7], bad], GOOD)
+    assert info.value.param == "prompt" and message in str(info.value)
+    assert not llm.scheduler.requests
+    dict_out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], GOOD)[0].outputs[0]
+    assert dict_out.token_ids == llm.generate([5, 6, 7], GOOD)[0].outputs[0].token_ids
 
 
 def test_two_seeded_choices_use_seed_and_seed_plus_one(llm):
