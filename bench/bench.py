@@ -25,6 +25,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,11 +34,21 @@ sys.path.insert(0, str(ROOT))
 
 from bench import llamacpp, roofline  # noqa: E402
 from bench.plots import plot_throughput  # noqa: E402
+from bench.sampler_bench import DecodeShare, SamplerRow  # noqa: E402
 from bench.workload import reference_workload, token_prompts  # noqa: E402
 from services.offline import LLM, SamplingParams  # noqa: E402
 
+if TYPE_CHECKING:
+    from transformers import GenerationMixin
 
-def hf_static_batches(model, prompts, outputs, batch_size: int, pad_id: int) -> float:
+
+def hf_static_batches(
+    model: GenerationMixin,
+    prompts: list[list[int]],
+    outputs: list[int],
+    batch_size: int,
+    pad_id: int,
+) -> float:
     """Seconds to serve all requests with static batches of `batch_size`, left-padded; each
     batch runs until its longest requested output. Only requested tokens count as useful."""
     start = time.perf_counter()
@@ -58,7 +69,7 @@ def hf_static_batches(model, prompts, outputs, batch_size: int, pad_id: int) -> 
     return time.perf_counter() - start
 
 
-def engine_run(llm: LLM, prompts, outputs) -> tuple[float, int]:
+def engine_run(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> tuple[float, int]:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
     start = time.perf_counter()
     results = llm.generate(prompts, params)
@@ -80,7 +91,9 @@ def decode_only(llm: LLM, prompt: list[int], new_tokens: int = 64, repeats: int 
     return new_tokens / (best(new_tokens + 1) - best(1))
 
 
-def single_decode(llm: LLM, hf_model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+def single_decode(
+    llm: LLM, hf_model: GenerationMixin, prompt: list[int], new_tokens: int
+) -> tuple[float, float]:
     """Output tokens/s of one request alone (prefill included, short prompt)."""
     t_engine, n = engine_run(llm, [prompt], [new_tokens])
     ids = torch.tensor([prompt])
@@ -174,7 +187,8 @@ def main() -> None:
     assert n == useful, (n, useful)
     rows.append(("skiff LLM.generate", useful / t))
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.eval()  # type: ignore[no-untyped-call]  # transformers leaves it untyped
     pad_id = llm.tokenizer.eos_token_id or 0
     hf_rates = {}
     for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
@@ -242,12 +256,12 @@ def main() -> None:
     else:
         plots = [plot_throughput(peers, out_dir / "cpu-throughput.png", "output throughput")]
 
-    sampler_rows = None
+    sampler: tuple[list[SamplerRow], DecodeShare] | None = None
     if args.sampler:
         from bench.sampler_bench import report, run_sampler_bench
 
         del llm, hf  # free memory before the sampler section loads its own engine
-        sampler_rows = run_sampler_bench()
+        sampler = run_sampler_bench()
 
     best_hf = max(hf_rates.values())
     print(f"\n{'path':<52} {'output tok/s':>12} {'vs best HF':>10}")
@@ -263,9 +277,9 @@ def main() -> None:
     if served:
         print(f"served / in-process throughput: {served['vs_in_process']:.2f}")
         print(json.dumps(served, indent=2))
-    if sampler_rows:
+    if sampler:
         print("\nsampler per step (batched vs a naive per-request loop, same run):")
-        report(sampler_rows)
+        report(*sampler)
     Path(args.out).write_text(
         json.dumps(
             {
@@ -284,7 +298,7 @@ def main() -> None:
                     "missing": None if llama_rates and llama_single else llama_missing,
                 },
                 "machine": machine,
-                "sampler": sampler_rows,
+                "sampler": [*sampler[0], sampler[1]] if sampler else None,
             },
             indent=2,
         )

@@ -50,7 +50,9 @@ def build(name: str, max_num_seqs: int) -> LLM:
     return LLM(max_num_seqs=max_num_seqs, cpu_weights=name, enable_prefix_caching=False)
 
 
-def timed(name: str, llm: LLM, prompts, params) -> tuple[float, list[list[int]]]:
+def timed(
+    name: str, llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[float, list[list[int]]]:
     """(output tok/s, the token ids of each request); `torch` runs with the C++ ops off."""
     cpu_ops.use(name != "torch")
     try:

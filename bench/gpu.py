@@ -28,12 +28,20 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from unittest.mock import patch
 
 import torch
 
 from shared.arith import cdiv
+
+if TYPE_CHECKING:
+    from services.offline import LLM
+    from services.scheduler.scheduler import RequestOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -43,6 +51,16 @@ BLOCK_SIZE = 16
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 Out = torch.Tensor | tuple[torch.Tensor, ...]
+Workload = tuple[list[list[int]], list[int]]  # prompts' token ids, output lengths
+Report = dict[str, Any]  # what the JSON report holds
+
+
+class Knobs(TypedDict, total=False):
+    """The paged-attention kernel's tiling knobs (unset: its own choice)."""
+
+    num_splits: int
+    tile_n: int
+    num_warps: int
 
 
 @dataclass(frozen=True)
@@ -83,7 +101,7 @@ class KernelResult:
 
 def bench_ms(fn: Callable[[], object]) -> float:
     """Median milliseconds of fn after warm-up, L2 flushed between runs."""
-    import triton.testing
+    import triton.testing  # type: ignore[import-untyped]
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
@@ -96,7 +114,10 @@ def copy_bandwidth() -> float:
 
 
 def pairs(got: Out, want: Out) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(zip(got, want, strict=True)) if isinstance(got, tuple) else [(got, want)]
+    def as_tuple(x: Out) -> tuple[torch.Tensor, ...]:
+        return x if isinstance(x, tuple) else (x,)
+
+    return list(zip(as_tuple(got), as_tuple(want), strict=True))
 
 
 def max_err(got: Out, want: Out) -> float:
@@ -272,7 +293,8 @@ def kv_write_case(
 
 @dataclass
 class AttnBatch:
-    args: tuple[torch.Tensor, ...]  # query, kv_cache, query_start_loc, seq_lens, block_table
+    # query, kv_cache, query_start_loc, seq_lens, block_table
+    args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     max_query_len: int
     max_seq_len: int
     kv_bytes: int  # keys + values read, queries read, outputs written
@@ -316,18 +338,24 @@ def attn_batch(
 
 
 def attention_case(
-    name: str, b: AttnBatch, dtype: torch.dtype, copy_gbps: float, timed: bool, **knobs: int
+    name: str,
+    b: AttnBatch,
+    dtype: torch.dtype,
+    copy_gbps: float,
+    timed: bool,
+    **knobs: Unpack[Knobs],
 ) -> KernelResult:
     from kernels import paged_attention as pa
     from kernels import reference
 
     scale = b.args[0].shape[-1] ** -0.5
-    hints = {"max_query_len": b.max_query_len, "max_seq_len": b.max_seq_len}
     return measure(
         "paged_attention",
         name,
         dtype,
-        lambda: pa.paged_attention(*b.args, scale, **hints, **knobs),
+        lambda: pa.paged_attention(
+            *b.args, scale, max_query_len=b.max_query_len, max_seq_len=b.max_seq_len, **knobs
+        ),
         lambda: reference.paged_attention(*b.args, scale),
         copy_gbps,
         b.kv_bytes if timed else 0,
@@ -335,7 +363,7 @@ def attention_case(
     )
 
 
-def attention_cases(sizes: Sizes, copy_gbps: float) -> tuple[list[KernelResult], dict]:
+def attention_cases(sizes: Sizes, copy_gbps: float) -> tuple[list[KernelResult], Report]:
     """Mixed, prefill-only and decode-only batches; head sizes 128, 64, 80; GQA groups 4, 3, 5."""
     results = []
     rng = random.Random(0)
@@ -371,22 +399,26 @@ def attention_cases(sizes: Sizes, copy_gbps: float) -> tuple[list[KernelResult],
     return results, sweep
 
 
-def decode_sweep(b: AttnBatch, copy_gbps: float) -> dict:
+def decode_sweep(b: AttnBatch, copy_gbps: float) -> Report:
     """The decode kernel's default tiling against every combination of its knobs."""
     from kernels import paged_attention as pa
 
     scale = b.args[0].shape[-1] ** -0.5
-    hints = {"max_query_len": 1, "max_seq_len": b.max_seq_len}
+
+    def run(**knobs: Unpack[Knobs]) -> torch.Tensor:
+        return pa.paged_attention(
+            *b.args, scale, max_query_len=1, max_seq_len=b.max_seq_len, **knobs
+        )
 
     def frac(ms: float) -> float:
         return b.kv_bytes / ms / 1e6 / copy_gbps
 
-    rows = []
+    rows: list[Report] = []
     for splits, tile_n, warps in itertools.product((1, 2, 4, 8), (32, 64), (4, 8)):
-        knobs = {"num_splits": splits, "tile_n": tile_n, "num_warps": warps}
-        ms = bench_ms(lambda knobs=knobs: pa.paged_attention(*b.args, scale, **hints, **knobs))
+        knobs = Knobs(num_splits=splits, tile_n=tile_n, num_warps=warps)
+        ms = bench_ms(partial(run, **knobs))
         rows.append({**knobs, "us": ms * 1e3, "frac_of_copy": frac(ms)})
-    default_ms = bench_ms(lambda: pa.paged_attention(*b.args, scale, **hints))
+    default_ms = bench_ms(run)
     best = max(rows, key=lambda r: r["frac_of_copy"])
     print(
         f"  decode: default {frac(default_ms):.0%} of copy bandwidth "
@@ -438,24 +470,23 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "p50": qs[49], "p90": qs[89], "p99": qs[98]}
 
 
-def instrument(llm: object) -> dict[str, list[float]]:
-    """Timestamp each request's tokens as the engine yields them (for TTFT and ITL)."""
+@contextmanager
+def token_stamps(llm: LLM) -> Iterator[dict[str, list[float]]]:
+    """Timestamps of each request's tokens as the engine yields them (for TTFT and ITL)."""
     stamps: dict[str, list[float]] = {}
-    run = getattr(llm, "_run", None)
-    if run is None:
-        return stamps
+    run = llm._run
 
-    def timed_run() -> Iterator[object]:
+    def timed_run() -> Iterator[RequestOutput]:
         for out in run():
             now = time.perf_counter()
             stamps.setdefault(out.req_id, []).extend([now] * len(out.new_token_ids))
             yield out
 
-    llm._run = timed_run
-    return stamps
+    with patch.object(llm, "_run", timed_run):
+        yield stamps
 
 
-def skiff_e2e(dtype: str, workload: tuple, warm: tuple) -> tuple[dict, list[list[int]]]:
+def skiff_e2e(dtype: str, workload: Workload, warm: Workload) -> tuple[Report, list[list[int]]]:
     """LLM.generate on the workload, after a warm-up run that compiles the kernels."""
     from services.offline import LLM, SamplingParams
 
@@ -464,12 +495,12 @@ def skiff_e2e(dtype: str, workload: tuple, warm: tuple) -> tuple[dict, list[list
 
     llm = LLM(model=None, device=DEVICE, dtype=dtype)
     llm.generate(warm[0], params(warm[1]))
-    stamps = instrument(llm)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outs = llm.generate(workload[0], params(workload[1]))
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
+    with token_stamps(llm) as stamps:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(workload[0], params(workload[1]))
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
     tokens = [o.outputs[0].token_ids for o in outs]
     itl = [b - a for s in stamps.values() for a, b in itertools.pairwise(s) if b > a]
     return {
@@ -484,14 +515,15 @@ def skiff_e2e(dtype: str, workload: tuple, warm: tuple) -> tuple[dict, list[list
 
 
 def hf_e2e(
-    model_dir: Path, dtype: str, workload: tuple, batch_size: int, pad_id: int
-) -> tuple[dict, list[list[int]]]:
+    model_dir: Path, dtype: str, workload: Workload, batch_size: int, pad_id: int
+) -> tuple[Report, list[list[int]]]:
     """transformers generate with static batches: each batch runs to its longest output."""
     from transformers import AutoModelForCausalLM
 
     prompts, out_lens = workload
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    model = model.to(DEVICE).eval()
+    # transformers types its `to` through functools.wraps, which leaves `self` unbound
+    model = model.to(DEVICE).eval()  # type: ignore[arg-type]
 
     def run_batch(batch: list[list[int]], max_new: int) -> list[list[int]]:
         width = max(map(len, batch))
@@ -508,7 +540,8 @@ def hf_e2e(
             do_sample=False,
             pad_token_id=pad_id,
         )
-        return out[:, width:].tolist()
+        new_tokens: list[list[int]] = out[:, width:].tolist()
+        return new_tokens
 
     with torch.inference_mode():
         run_batch(prompts[:batch_size], 4)  # warm-up
@@ -539,7 +572,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
     return {"exact": exact, "mean_common_prefix": statistics.fmean(prefix) if prefix else 0.0}
 
 
-def e2e(sizes: Sizes, dtypes: list[str], hf_batch_sizes: list[int]) -> list[dict]:
+def e2e(sizes: Sizes, dtypes: list[str], hf_batch_sizes: list[int]) -> list[Report]:
     from transformers import AutoTokenizer
 
     from bench.workload import reference_workload
@@ -573,7 +606,7 @@ def e2e(sizes: Sizes, dtypes: list[str], hf_batch_sizes: list[int]) -> list[dict
 # --- report ------------------------------------------------------------------------------------
 
 
-def kernel_table(report: dict) -> list[str]:
+def kernel_table(report: Report) -> list[str]:
     lines = [
         "## Kernels",
         "",
@@ -604,7 +637,7 @@ def kernel_table(report: dict) -> list[str]:
     return lines
 
 
-def e2e_table(report: dict) -> list[str]:
+def e2e_table(report: Report) -> list[str]:
     lines = [
         "## Reference workload (SmolLM2-135M, greedy, all requests at once)",
         "",
@@ -629,7 +662,7 @@ def e2e_table(report: dict) -> list[str]:
     return lines
 
 
-def markdown(report: dict) -> str:
+def markdown(report: Report) -> str:
     lines = [
         f"# skiff GPU benchmark: {report['device']}",
         "",
@@ -643,7 +676,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(report: dict, out_dir: Path) -> Path:
+def write_report(report: Report, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / time.strftime("gpu-%Y%m%d-%H%M%S")
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
@@ -667,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     sizes = Sizes.quick() if args.quick else Sizes()
     torch.manual_seed(0)
-    report: dict = {
+    report: Report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "sizes": asdict(sizes),

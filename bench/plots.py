@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # system -> {concurrency (requests in flight, a peer's static batch size or llama-server's slot
 # count): output tokens/s}
@@ -14,19 +18,17 @@ Throughput = Mapping[str, Mapping[int, float]]
 Latencies = Mapping[str, Sequence[float]]
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
-    import matplotlib
+def _figure(figsize: tuple[float, float]) -> Figure:
+    """A figure of its own, drawn by the Agg canvas (files only; pyplot is never involved)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(figsize=figsize)
 
 
 def plot_throughput(series: Throughput, path: Path, title: str) -> Path:
     """Output tokens/s against concurrency (log2 axis), one line per system."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = _figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     for name, points in series.items():
         xs = sorted(points)
         ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
@@ -39,7 +41,6 @@ def plot_throughput(series: Throughput, path: Path, title: str) -> Path:
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -51,8 +52,8 @@ def cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
 
 def plot_latency_cdfs(ttft: Latencies, itl: Latencies, path: Path, title: str) -> Path:
     """Two panels: the CDF of time to first token and of inter-token latency (ms)."""
-    plt = _pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig = _figure(figsize=(11, 4.5))
+    left, right = fig.subplots(1, 2)
     for ax, samples, label in ((left, ttft, "time to first token"), (right, itl, "inter-token")):
         for name, values in samples.items():
             if values:
@@ -66,5 +67,4 @@ def plot_latency_cdfs(ttft: Latencies, itl: Latencies, path: Path, title: str) -
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

@@ -17,7 +17,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import TypedDict
+from unittest.mock import patch
 
 import numpy as np
 import torch
@@ -28,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from bench.workload import token_prompts  # noqa: E402
 from services.offline import LLM, SamplingParams  # noqa: E402
 from services.worker.input_batch import CachedRequestState, InputBatch  # noqa: E402
+from services.worker.model_runner import StepInputs  # noqa: E402
 from services.worker.sampler import Sampler  # noqa: E402
 from services.worker.sampler.random import position_uniforms  # noqa: E402
 from services.worker.sampling_metadata import build_sampling_metadata  # noqa: E402
@@ -36,6 +40,24 @@ BATCHES = (1, 32, 256)
 DECODE_BATCH = 256
 HISTORY = 64  # prompt and output tokens per request
 NEG_INF = float("-inf")
+
+
+class SamplerRow(TypedDict):
+    batch: int
+    features: str  # "off" (greedy) or "on" (every sampling feature)
+    batched_ms: float
+    naive_ms: float
+    speedup: float
+
+
+class DecodeShare(TypedDict):
+    """The sampler with every feature on at DECODE_BATCH against a decode step."""
+
+    decode_step_ms: float
+    forward_ms: float
+    lm_head_ms: float
+    all_on_256_fraction: float
+    under_10_percent: bool
 
 
 def params_for(features: str, i: int, vocab: int) -> SamplingParams:
@@ -77,17 +99,21 @@ class Case:
         self.rows = np.arange(n)
 
 
-def batched_step(case: Case, sampler: Sampler, logits: torch.Tensor, eos) -> torch.Tensor:
+def batched_step(
+    case: Case, sampler: Sampler, logits: torch.Tensor, eos: tuple[int, ...]
+) -> torch.Tensor:
     meta = build_sampling_metadata(case.batch, case.rows, case.vocab, eos, logits.device)
     return sampler(logits, meta).sampled_token_ids
 
 
-def naive_step(case: Case, sampler: Sampler, logits: torch.Tensor, eos) -> torch.Tensor:
+def naive_step(
+    case: Case, sampler: Sampler, logits: torch.Tensor, eos: tuple[int, ...]
+) -> torch.Tensor:
     """What one writes first: a loop over requests, plain torch per row, full sorts."""
     return torch.tensor([naive_one(logits[i], state, eos) for i, state in enumerate(case.reqs)])
 
 
-def naive_one(x: torch.Tensor, state: CachedRequestState, eos) -> int:
+def naive_one(x: torch.Tensor, state: CachedRequestState, eos: tuple[int, ...]) -> int:
     p, out = state.sampling_params, state.output_token_ids
     x = x.float().clone()
     raw = x.log_softmax(-1) if p.logprobs is not None else None
@@ -104,7 +130,7 @@ def naive_one(x: torch.Tensor, state: CachedRequestState, eos) -> int:
         x[token] += bias
     x = naive_penalties(x, state)
     token = naive_sample(x, p, len(out))
-    if raw is not None:
+    if raw is not None and p.logprobs is not None:
         raw.topk(p.logprobs)
         int((raw >= raw[token]).sum())
     return token
@@ -160,7 +186,7 @@ def decode_step(llm: LLM, batch: int) -> tuple[float, float, torch.Tensor]:
     and one step's logits [batch, vocab]."""
     runner, forward, times, hidden = llm.runner, llm.runner._forward, [], []
 
-    def timed(inputs):
+    def timed(inputs: StepInputs) -> torch.Tensor:
         start = time.perf_counter()
         out = forward(inputs)
         if len(inputs.req_ids) == batch and len(inputs.positions) == batch:
@@ -169,12 +195,9 @@ def decode_step(llm: LLM, batch: int) -> tuple[float, float, torch.Tensor]:
             hidden.append(out)
         return out
 
-    runner._forward = timed
-    try:
+    with patch.object(runner, "_forward", timed):
         prompts = token_prompts(llm.tokenizer, [8] * batch, seed=1)
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    finally:
-        runner._forward = forward
     head = []
     with torch.inference_mode():
         for h in hidden:
@@ -185,23 +208,23 @@ def decode_step(llm: LLM, batch: int) -> tuple[float, float, torch.Tensor]:
     return 1e3 * statistics.median(times), 1e3 * statistics.median(head), logits
 
 
-def run_sampler_bench(device: str = "cpu") -> list[dict]:
-    """Rows {batch, features, batched_ms, naive_ms, speedup}, then one row comparing all
-    features on at batch 256 with a SmolLM2 decode step (model forward + LM head)."""
+def run_sampler_bench(device: str = "cpu") -> tuple[list[SamplerRow], DecodeShare]:
+    """A row per batch size and feature set, and all features on at batch 256 against a
+    SmolLM2 decode step (model forward + LM head)."""
     llm = LLM(max_num_batched_tokens=8 * DECODE_BATCH, max_num_seqs=DECODE_BATCH, device=device)
     forward_ms, head_ms, step_logits = decode_step(llm, DECODE_BATCH)
     mc = llm.runner.model_config
     eos = mc.eos_token_ids
-    sampler, rows = Sampler(seed=0), []
+    sampler, rows = Sampler(seed=0), list[SamplerRow]()
     for n in BATCHES:
         logits = step_logits[torch.arange(n) % len(step_logits)].contiguous()
         for features in ("off", "on"):
             case = Case(features, logits)
             reps = 7 if n < 256 else 5
-            batched = median_ms(lambda x, c=case: batched_step(c, sampler, x, eos), logits, reps)
-            naive = median_ms(lambda x, c=case: naive_step(c, sampler, x, eos), logits, 1)
+            batched = median_ms(partial(batched_step, case, sampler, eos=eos), logits, reps)
+            naive = median_ms(partial(naive_step, case, sampler, eos=eos), logits, 1)
             rows.append(
-                dict(
+                SamplerRow(
                     batch=n,
                     features=features,
                     batched_ms=batched,
@@ -211,26 +234,23 @@ def run_sampler_bench(device: str = "cpu") -> list[dict]:
             )
     all_on = next(r for r in rows if r["batch"] == DECODE_BATCH and r["features"] == "on")
     decode_ms = forward_ms + head_ms
-    rows.append(
-        dict(
-            decode_step_ms=decode_ms,
-            forward_ms=forward_ms,
-            lm_head_ms=head_ms,
-            all_on_256_fraction=all_on["batched_ms"] / decode_ms,
-            under_10_percent=all_on["batched_ms"] < 0.1 * decode_ms,
-        )
+    share = DecodeShare(
+        decode_step_ms=decode_ms,
+        forward_ms=forward_ms,
+        lm_head_ms=head_ms,
+        all_on_256_fraction=all_on["batched_ms"] / decode_ms,
+        under_10_percent=all_on["batched_ms"] < 0.1 * decode_ms,
     )
-    return rows
+    return rows, share
 
 
-def report(rows: list[dict]) -> None:
+def report(rows: list[SamplerRow], last: DecodeShare) -> None:
     print(f"{'batch':>5} {'features':>8} {'batched ms':>11} {'naive loop ms':>14} {'speedup':>8}")
-    for r in rows[:-1]:
+    for r in rows:
         print(
             f"{r['batch']:>5} {r['features']:>8} {r['batched_ms']:>11.2f} "
             f"{r['naive_ms']:>14.2f} {r['speedup']:>7.1f}x"
         )
-    last = rows[-1]
     print(
         f"SmolLM2 decode step at batch {DECODE_BATCH}: {last['decode_step_ms']:.1f} ms "
         f"(model forward {last['forward_ms']:.1f} + LM head {last['lm_head_ms']:.1f})"
@@ -245,4 +265,4 @@ def report(rows: list[dict]) -> None:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    report(run_sampler_bench("cuda" if "--cuda" in sys.argv else "cpu"))
+    report(*run_sampler_bench("cuda" if "--cuda" in sys.argv else "cpu"))

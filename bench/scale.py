@@ -27,9 +27,12 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from services.gateway.config import GatewayConfig
 from services.launcher import Stack, StackConfig, free_port
@@ -38,10 +41,10 @@ from services.worker.config import RunnerConfig, SimConfig
 from shared import bus
 from shared.config import DEFAULT_SUBJECT_PREFIX, SchedulerConfig
 from shared.default_model import DEFAULT_MODEL_NAME
+from shared.sampling_params import SamplingParams
 from shared.subjects import Subjects, shard_prefixes
 from shared.wire import (
     OutputBatch,
-    SamplingParams,
     SchedulerStats,
     SchedulerStatsRequest,
     SubmitReply,
@@ -129,9 +132,9 @@ class Fleet:
         self.nats.start_nats()
         self.nats_url = self.nats.nats_url
         self.stack: Stack | None = None
-        self.sim: subprocess.Popen | None = None
+        self.sim: subprocess.Popen[bytes] | None = None
 
-    def _config(self, **kw) -> StackConfig:
+    def _config(self, **kw: Any) -> StackConfig:
         return StackConfig(
             RunnerConfig(model_dir=""),
             GatewayConfig(served_model_name=DEFAULT_MODEL_NAME),
@@ -183,7 +186,7 @@ class Fleet:
         self.nats.stop()
 
 
-async def wait_workers(nc, case: Case, timeout_s: float = 120) -> None:
+async def wait_workers(nc: Client, case: Case, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -201,13 +204,13 @@ async def wait_workers(nc, case: Case, timeout_s: float = 120) -> None:
     raise TimeoutError(f"{case.num_workers} workers did not register")
 
 
-async def observe(nc, window: Window, case: Case) -> None:
+async def observe(nc: Client, window: Window, case: Case) -> None:
     """While the window is open: each worker's idle time waiting for plans (from its
     results), the modelled device time of every plan, and plan and result sizes."""
     timing, shape = decoder(_ResultTiming), decoder(_PlanShape)
     sim = SimConfig(sim_step_base_ms=case.step_ms)
 
-    async def on_result(msg) -> None:
+    async def on_result(msg: Msg) -> None:
         if window.open:
             t = timing.decode(msg.data)
             window.idle_s[t.worker_id] += t.idle_s
@@ -215,7 +218,7 @@ async def observe(nc, window: Window, case: Case) -> None:
             window.num_results += 1
             window.result_bytes += len(msg.data)
 
-    async def on_plan(msg) -> None:
+    async def on_plan(msg: Msg) -> None:
         if window.open:
             tokens = shape.decode(msg.data).num_scheduled_tokens
             device_s = sim.step_time_s(sum(tokens.values()), len(tokens))
@@ -235,7 +238,7 @@ class NatsLoad:
     them round-robin over the scheduler shards."""
 
     def __init__(
-        self, nc, window: Window, concurrency: int, max_tokens: int, prefixes: list[str]
+        self, nc: Client, window: Window, concurrency: int, max_tokens: int, prefixes: list[str]
     ) -> None:
         self.nc, self.window = nc, window
         self.subjects = [Subjects(p) for p in prefixes]
@@ -244,7 +247,7 @@ class NatsLoad:
         self.last_token_at: dict[str, float] = {}
         self.next_id = 0
         self.gateway_id = f"bench-{os.getpid()}"
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         for subjects in self.subjects:
@@ -297,7 +300,7 @@ class HttpLoad:
         self.url, self.window = url, window
         self.concurrency, self.max_tokens = concurrency, max_tokens
         self.rng = random.Random(0)
-        self.tasks: list[asyncio.Task] = []
+        self.tasks: list[asyncio.Task[None]] = []
         self.client = httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=4096))
 
     async def start(self) -> None:

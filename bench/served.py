@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -42,7 +43,10 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     values = sorted(values)
-    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+
+    def pick(q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))]
+
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.fmean(values)}
 
 
@@ -119,7 +123,7 @@ def run_served(
     prompts: list[list[int]],
     outputs: list[int],
     concurrencies: list[int] | None = None,
-) -> tuple[dict, Samples]:
+) -> tuple[dict[str, Any], Samples]:
     """The summary (the largest concurrency's at the top level, every one's under
     `by_concurrency`) and the latency samples of each concurrency."""
     concurrencies = sorted(concurrencies or [len(prompts)])
@@ -180,7 +184,7 @@ def run_served(
 
 def plot_served(
     samples: Samples,
-    summary: dict,
+    summary: dict[str, Any],
     out_dir: Path,
     stem: str,
     peers: dict[str, dict[int, float]] | None = None,

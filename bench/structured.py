@@ -23,10 +23,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 import numpy as np
 
-SCHEMAS = [
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from services.worker.model_runner import ModelRunner
+    from shared.wire import BatchPlan, ModelRunnerOutput
+
+SCHEMAS: list[dict[str, Any]] = [
     {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
     {
         "type": "object",
@@ -114,41 +121,48 @@ def ms(seconds: float) -> str:
 # ---- 1. libraries -----------------------------------------------------------------------
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+Grammar = TypeVar("Grammar")  # a library's compiled grammar
+Matcher = TypeVar("Matcher")  # a library's per-request matcher
+
+
 @dataclass
-class Library:
+class Library(Generic[Grammar, Matcher]):
     """One grammar library behind the same four calls."""
 
     name: str
     setup: Callable[[], None]  # the tokenizer (timed once)
-    compile: Callable[[dict], object]  # schema -> compiled grammar (uncached)
-    matchers: Callable[[object, int], list]  # compiled, n -> n fresh matchers
-    fill: Callable[[list], np.ndarray]  # matchers -> [n, words] int32 (the step's masks)
-    consume: Callable[[object, int], None]
-    reset: Callable[[object], None]
+    compile: Callable[[dict[str, Any]], Grammar]  # schema -> compiled grammar (uncached)
+    matchers: Callable[[Grammar, int], list[Matcher]]  # compiled, n -> n fresh matchers
+    fill: Callable[[list[Matcher]], np.ndarray]  # matchers -> [n, words] int32 (step's masks)
+    consume: Callable[[Matcher, int], object]
+    reset: Callable[[Matcher], object]
 
 
-def llguidance_library(model_dir: Path, vocab: int, eos: int) -> Library:
+def llguidance_library(model_dir: Path, vocab: int, eos: int) -> Library[str, LLMatcher]:
     from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
     from shared.structured_outputs import JSON_OPTIONS
 
-    state: dict = {"executor": LLExecutor()}
+    executor = LLExecutor()
+    state: dict[str, LLTokenizer] = {}
     words = (vocab + 31) // 32
     buf = np.full((256, words), -1, dtype=np.int32)
 
     def setup() -> None:
         state["tok"] = LLTokenizer(str(model_dir / "tokenizer.json"), n_vocab=vocab, eos_token=eos)
 
-    def compile_(schema: dict) -> object:
+    def compile_(schema: dict[str, Any]) -> str:
         grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
         m = LLMatcher(state["tok"], grammar, log_level=0)  # compiles lazily: force it
         assert not m.is_error(), m.get_error()
         return grammar
 
-    def fill(ms_: list) -> np.ndarray:
+    def fill(ms_: list[LLMatcher]) -> np.ndarray:
         out = buf[: len(ms_)]
         pairs = list(zip(ms_, range(len(ms_)), strict=True))
-        state["executor"].unsafe_compute_mask_ptr(pairs, out.ctypes.data, words * 4, len(ms_))
+        executor.unsafe_compute_mask_ptr(pairs, out.ctypes.data, words * 4, len(ms_))
         return out
 
     return Library(
@@ -162,14 +176,14 @@ def llguidance_library(model_dir: Path, vocab: int, eos: int) -> Library:
     )
 
 
-def xgrammar_library(model_dir: Path, vocab: int, eos: int) -> Library | None:
+def xgrammar_library(model_dir: Path, vocab: int, eos: int) -> Library[Any, Any] | None:
     try:
-        import xgrammar as xgr
+        import xgrammar as xgr  # type: ignore[import-not-found]  # optional, untyped
     except ImportError:
         return None
     from transformers import AutoTokenizer
 
-    state: dict = {}
+    state: dict[str, Any] = {}
 
     def setup() -> None:
         hf = AutoTokenizer.from_pretrained(model_dir)
@@ -178,15 +192,16 @@ def xgrammar_library(model_dir: Path, vocab: int, eos: int) -> Library | None:
         state["bitmask"] = xgr.allocate_token_bitmask(256, vocab)
         state["batch"] = xgr.BatchGrammarMatcher()  # its own threads, as llguidance's executor
 
-    def compile_(schema: dict) -> object:
+    def compile_(schema: dict[str, Any]) -> Any:
         return state["compiler"].compile_json_schema(
             json.dumps(schema), any_whitespace=False, separators=(", ", ": ")
         )
 
-    def fill(ms_: list) -> np.ndarray:
+    def fill(ms_: list[Any]) -> np.ndarray:
         bitmask = state["bitmask"]
         state["batch"].batch_fill_next_token_bitmask(ms_, bitmask)
-        return bitmask[: len(ms_)].numpy()
+        masks: np.ndarray = bitmask[: len(ms_)].numpy()
+        return masks
 
     return Library(
         "xgrammar",
@@ -203,7 +218,9 @@ def allowed_tokens(row: np.ndarray, vocab: int) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab])
 
 
-def walk(lib: Library, grammar: object, n: int, steps: int, vocab: int, eos: int) -> list[float]:
+def walk(
+    lib: Library[Grammar, Matcher], grammar: Grammar, n: int, steps: int, vocab: int, eos: int
+) -> list[float]:
     """Seconds per step to fill the masks of `n` matchers that each take a random allowed
     token per step (restarting when done)."""
     rng = np.random.default_rng(0)
@@ -223,7 +240,9 @@ def walk(lib: Library, grammar: object, n: int, steps: int, vocab: int, eos: int
     return times
 
 
-def bench_library(lib: Library, vocab: int, eos: int, batches: list[int], steps: int) -> dict:
+def bench_library(
+    lib: Library[Grammar, Matcher], vocab: int, eos: int, batches: list[int], steps: int
+) -> dict[str, Any]:
     gc.collect()
     rss0 = rss_mib()
     t0 = time.perf_counter()
@@ -246,7 +265,7 @@ def bench_library(lib: Library, vocab: int, eos: int, batches: list[int], steps:
     return {"setup": setup_s, "compile": compile_s, "mask": masks, "mem": mem}
 
 
-def library_table(results: dict[str, dict], batches: list[int]) -> str:
+def library_table(results: dict[str, dict[str, Any]], batches: list[int]) -> str:
     head = ["library", "tokenizer set-up ms"]
     head += [f"compile schema {i + 1} ms" for i in range(len(SCHEMAS))]
     head += [f"mask ms/step, batch {n}" for n in batches]
@@ -266,7 +285,7 @@ def library_table(results: dict[str, dict], batches: list[int]) -> str:
 class StepClock:
     """Wraps a runner's step, its mask fill and the sampler's mask apply with timers."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         from services.worker.sampler import processors
 
         self.step: list[float] = []
@@ -276,8 +295,8 @@ class StepClock:
         execute, grammar_mask = runner.execute, runner._grammar_mask
         apply = processors.apply_grammar_mask
 
-        def timed(lst, fn):
-            def wrapper(*args, **kw):
+        def timed(lst: list[float], fn: Callable[P, R]) -> Callable[P, R]:
+            def wrapper(*args: P.args, **kw: P.kwargs) -> R:
                 t0 = time.perf_counter()
                 out = fn(*args, **kw)
                 lst.append(time.perf_counter() - t0)
@@ -285,13 +304,17 @@ class StepClock:
 
             return wrapper
 
-        def step(plan):
+        def step(plan: BatchPlan) -> ModelRunnerOutput | None:
             self.batch.append(len(plan.num_scheduled_tokens))
             return timed(self.step, execute)(plan)
 
-        runner.execute = step
-        runner._grammar_mask = timed(self.fill, grammar_mask)
-        processors.apply_grammar_mask = timed(self.apply, apply)
+        # for the rest of the run: the timers wrap the runner's and the sampler's own calls
+        for target, name, wrapper in (
+            (runner, "execute", step),
+            (runner, "_grammar_mask", timed(self.fill, grammar_mask)),
+            (processors, "apply_grammar_mask", timed(self.apply, apply)),
+        ):
+            setattr(target, name, wrapper)
 
     def reset(self) -> None:
         for lst in (self.step, self.fill, self.apply, self.batch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Protocol
 
 CORPUS = """\
 The river town woke slowly. Fishermen carried nets down to the water while the baker pulled
@@ -58,7 +59,13 @@ QUESTIONS = [
 ]
 
 
-def token_prompts(tokenizer, lengths: list[int], seed: int = 0) -> list[list[int]]:
+class TokenEncoder(Protocol):
+    """What the workload needs of a tokenizer (ours or transformers')."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+def token_prompts(tokenizer: TokenEncoder, lengths: list[int], seed: int = 0) -> list[list[int]]:
     """Token-id prompts of exactly the given lengths, each from a different corpus offset."""
     corpus = tokenizer.encode(CORPUS * 4, add_special_tokens=False)
     rng = random.Random(seed)
@@ -71,7 +78,9 @@ def token_prompts(tokenizer, lengths: list[int], seed: int = 0) -> list[list[int
     return prompts
 
 
-def reference_workload(tokenizer, num_requests: int = 32, seed: int = 0):
+def reference_workload(
+    tokenizer: TokenEncoder, num_requests: int = 32, seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
     """The reference workload: prompts of 16-256 tokens, outputs of 16-128 tokens."""
     rng = random.Random(seed)
     lengths = [rng.randint(16, 256) for _ in range(num_requests)]
