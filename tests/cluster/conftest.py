@@ -4,7 +4,7 @@ It installs the chart's cpu profile (charts/skiff/ci/cpu-values.yaml, two worker
 scheduler replicas) into a namespace of its own with the helm of `make install`, waits for
 readiness through the `kubernetes` client, and talks to a gateway through a port-forward. The
 images must be pullable by the cluster: SKIFF_TEST_VALUES names a values file that says where
-(global.imageRegistry, tags), as in README "Deploy on Kubernetes".
+(global.imageRegistry, tags), as in docs/deployment.md.
 """
 
 from __future__ import annotations
