@@ -3,8 +3,8 @@
 Each field of a frozen config dataclass becomes one flag and one variable of its own name:
 `max_num_seqs` is `--max-num-seqs` and `SKIFF_MAX_NUM_SEQS`. Precedence: flag, then variable,
 then the dataclass default, which is therefore defined in exactly one place. Booleans take
-`--x/--no-x` and `true/false` in the environment. The same definitions turn a config back into flags (`to_argv`), which is how
-`skiff serve` configures the processes it starts.
+`--x/--no-x` and `true/false` in the environment. The same definitions turn a config back into
+flags (`to_argv`), which is how `skiff serve` configures the processes it starts.
 """
 
 from __future__ import annotations
