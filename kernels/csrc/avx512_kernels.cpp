@@ -162,7 +162,150 @@ void weighted_sum(const float* p, const float* value_cache, const int32_t* block
   for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
 }
 
+// Prefill attention (attend_prefill) holds its R = 16 V query rows transposed, [d, R]: a
+// vector is one dim of 16 rows, so keys and values are broadcast one float at a time straight
+// from the cache and nothing of them is copied or transposed.
+
+// st[j, :] = keys[j] . qt for j < NR: the scores of NR keys against all R rows.
+template <int NR, int V>
+inline void score_keys(const float* const* keys, const float* qt, int64_t head_dim, float* st) {
+  constexpr int64_t R = 16 * V;
+  __m512 acc[NR][V];
+  for (int j = 0; j < NR; ++j)
+    for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; ++d) {
+    __m512 qv[V];
+    for (int v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(qt + d * R + 16 * v);
+    for (int j = 0; j < NR; ++j) {
+      const __m512 k = _mm512_set1_ps(keys[j][d]);
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(k, qv[v], acc[j][v]);
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(st + j * R + 16 * v, acc[j][v]);
+}
+
+// ot[d, :] = ot[d, :] * alpha + sum over j < nk of values[j][d] * pt[j, :], d in [d0, d0 + DR).
+// The tile's sum is formed on its own first: small terms are not added one by one to a large
+// running total (fp32 would lose them).
+template <int DR, int V>
+inline void accumulate_values(const float* const* values, int64_t nk, const float* pt,
+                              const __m512* alpha, float* ot, int64_t d0) {
+  constexpr int64_t R = 16 * V;
+  __m512 acc[DR][V];
+  for (int r = 0; r < DR; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 pv[V];
+    for (int v = 0; v < V; ++v) pv[v] = _mm512_loadu_ps(pt + j * R + 16 * v);
+    const float* value = values[j] + d0;
+    for (int r = 0; r < DR; ++r) {
+      const __m512 x = _mm512_set1_ps(value[r]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(x, pv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < DR; ++r)
+    for (int v = 0; v < V; ++v) {
+      float* o = ot + (d0 + r) * R + 16 * v;
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), alpha[v], acc[r][v]));
+    }
+}
+
+template <int V>
+void prefill_rows(const float* q, int64_t q_stride, int64_t tokens, int64_t group,
+                  int64_t first_pos, const float* key_cache, const float* value_cache,
+                  const int32_t* block_table, int64_t block_size, int64_t num_kv_heads,
+                  int64_t kv_head, int64_t head_dim, float scale, float* scratch, float* out,
+                  int64_t out_stride) {
+  constexpr int64_t R = 16 * V;
+  constexpr int NR = V >= 3 ? 4 : 8;  // keys per score tile: NR x V accumulators
+  constexpr int DR = V >= 3 ? 4 : 8;  // dims per value tile
+  const int64_t rows = tokens * group;  // row m: token m / group, head m % group
+  float* qt = scratch;                  // [head_dim, R] queries * scale
+  float* ot = qt + head_dim * R;        // [head_dim, R] output, unnormalized
+  float* st = ot + head_dim * R;        // [kKeyTile, R] scores, then their exponentials
+  alignas(64) int32_t pos[R];           // each row's position; padding rows repeat the last
+  for (int64_t m = 0; m < R; ++m) {
+    const int64_t row = std::min(m, rows - 1);
+    const float* src = q + (row / group) * q_stride + (row % group) * head_dim;
+    pos[m] = static_cast<int32_t>(first_pos + row / group);
+    for (int64_t d = 0; d < head_dim; ++d) qt[d * R + m] = m < rows ? src[d] * scale : 0.0f;
+  }
+  std::fill(ot, ot + head_dim * R, 0.0f);
+  __m512i posv[V];
+  __m512 run_max[V], run_sum[V];
+  for (int v = 0; v < V; ++v) {
+    posv[v] = _mm512_load_si512(pos + 16 * v);
+    run_max[v] = _mm512_set1_ps(-INFINITY);
+    run_sum[v] = _mm512_setzero_ps();
+  }
+  const float* keys[kKeyTile];
+  const float* values[kKeyTile];
+  const int64_t kv_len = first_pos + tokens;  // the last row sees them all
+  for (int64_t n0 = 0; n0 < kv_len; n0 += kKeyTile) {
+    const int64_t nk = std::min(kKeyTile, kv_len - n0);
+    const int64_t padded = (nk + NR - 1) / NR * NR;  // keys past kv_len repeat the last, masked
+    for (int64_t j = 0; j < padded; ++j) {
+      const int64_t offset = head_offset(block_table, std::min(n0 + j, kv_len - 1), block_size,
+                                         num_kv_heads, kv_head, head_dim);
+      keys[j] = key_cache + offset;
+      values[j] = value_cache + offset;
+    }
+    for (int64_t j = 0; j < padded; j += NR) score_keys<NR, V>(keys + j, qt, head_dim, st + j * R);
+    const bool causal = n0 + padded - 1 > first_pos;  // some key lies past the first row
+    auto visible = [&](int64_t j, int v) {  // rows of vector v that see key n0 + j
+      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(n0 + j));
+      return causal ? _mm512_cmple_epi32_mask(key, posv[v]) : static_cast<__mmask16>(0xffff);
+    };
+    __m512 tile_max[V];
+    for (int v = 0; v < V; ++v) tile_max[v] = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < padded; ++j)
+      for (int v = 0; v < V; ++v)
+        tile_max[v] = _mm512_mask_max_ps(tile_max[v], visible(j, v), tile_max[v],
+                                         _mm512_loadu_ps(st + j * R + 16 * v));
+    __m512 alpha[V];  // e^(old max - new max): rescales the sum and output so far
+    for (int v = 0; v < V; ++v) {
+      const __m512 new_max = _mm512_max_ps(run_max[v], tile_max[v]);
+      alpha[v] = exp16(_mm512_sub_ps(run_max[v], new_max));  // first tile: e^-87 * 0
+      run_max[v] = new_max;
+    }
+    __m512 tile_sum[V];  // summed on its own, like the values
+    for (int v = 0; v < V; ++v) tile_sum[v] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < padded; ++j)
+      for (int v = 0; v < V; ++v) {
+        float* s = st + j * R + 16 * v;
+        const __m512 p = _mm512_maskz_mov_ps(
+            visible(j, v), exp16(_mm512_sub_ps(_mm512_loadu_ps(s), run_max[v])));
+        _mm512_storeu_ps(s, p);
+        tile_sum[v] = _mm512_add_ps(tile_sum[v], p);
+      }
+    for (int v = 0; v < V; ++v) run_sum[v] = _mm512_fmadd_ps(run_sum[v], alpha[v], tile_sum[v]);
+    for (int64_t d0 = 0; d0 < head_dim; d0 += DR)
+      accumulate_values<DR, V>(values, nk, st, alpha, ot, d0);
+  }
+  alignas(64) float inv[R];
+  for (int v = 0; v < V; ++v)
+    _mm512_store_ps(inv + 16 * v, _mm512_div_ps(_mm512_set1_ps(1.0f), run_sum[v]));
+  for (int64_t m = 0; m < rows; ++m) {
+    float* dst = out + (m / group) * out_stride + (m % group) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = ot[d * R + m] * inv[m];
+  }
+}
+
 }  // namespace
+
+void attend_prefill(const float* q, int64_t q_stride, int64_t tokens, int64_t group,
+                    int64_t first_pos, const float* key_cache, const float* value_cache,
+                    const int32_t* block_table, int64_t block_size, int64_t num_kv_heads,
+                    int64_t kv_head, int64_t head_dim, float scale, float* scratch, float* out,
+                    int64_t out_stride) {
+  static constexpr decltype(&prefill_rows<1>) by_vectors[] = {prefill_rows<1>, prefill_rows<2>,
+                                                             prefill_rows<3>, prefill_rows<4>};
+  static_assert(kPrefillRows == 16 * 4, "one variant per number of row vectors");
+  by_vectors[(tokens * group + 15) / 16 - 1](q, q_stride, tokens, group, first_pos, key_cache,
+                                             value_cache, block_table, block_size, num_kv_heads,
+                                             kv_head, head_dim, scale, scratch, out, out_stride);
+}
 
 void linear_rows(const float* x, const void* w, WeightFormat format, const float* scale,
                  float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {

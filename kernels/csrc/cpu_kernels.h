@@ -40,6 +40,26 @@ void attend(const float* q, int64_t group, const float* key_cache, const float* 
             int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, float scale,
             float* scores, float* out, int64_t out_stride);
 
+// Prefill attention, flash-attention style: `tokens` consecutive query tokens of one request,
+// at positions first_pos .. first_pos + tokens - 1 (token j sees context positions
+// [0, first_pos + j]), times the `group` query heads of KV head `kv_head`: at most
+// kPrefillRows rows. q: token j's heads at q + j * q_stride ([group, head_dim]); out likewise
+// with out_stride. The rows are held transposed (a vector holds 16 rows), the keys are walked
+// in tiles of kKeyTile positions, each key and value read once for all rows: scores, then the
+// running max and sum (online softmax), then the rescaled sum of the values. Key tiles past
+// the last row's position are never read; a tile past the first row's is masked. Cache layout
+// as in `attend`; `scratch` holds prefill_scratch_floats(head_dim) floats; head_dim % 16 == 0.
+constexpr int64_t kPrefillRows = 64;
+constexpr int64_t kKeyTile = 64;
+constexpr int64_t prefill_scratch_floats(int64_t head_dim) {
+  return (2 * head_dim + kKeyTile) * kPrefillRows;
+}
+void attend_prefill(const float* q, int64_t q_stride, int64_t tokens, int64_t group,
+                    int64_t first_pos, const float* key_cache, const float* value_cache,
+                    const int32_t* block_table, int64_t block_size, int64_t num_kv_heads,
+                    int64_t kv_head, int64_t head_dim, float scale, float* scratch, float* out,
+                    int64_t out_stride);
+
 // out[i] = silu(gate_up[i]) * gate_up[dim + i] for i < dim.
 void silu_and_mul_row(const float* gate_up, float* out, int64_t dim);
 

@@ -9,7 +9,8 @@
 //   table, output projection, residual add + RMSNorm, gate/up projection, SiLU-and-mul, down
 //   projection;
 // - paged_attention(...): causal attention of a step's tokens (decode and prefill chunks)
-//   against the paged cache, read in place through the block table;
+//   against the paged cache, read in place through the block table: a decode token reads its
+//   context once for its query heads, a prefill chunk once per tile of its tokens;
 // - rms_norm, rotary_embedding, silu_and_mul: the model's elementwise ops, as
 //   kernels/reference.py defines them, for the steps that run the model module by module.
 //
@@ -20,6 +21,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <numeric>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -122,32 +125,74 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
-// Causal attention of tokens against the paged cache, one task per (token, KV head):
-// token i (its query heads at q + i * q_row_stride, [heads, head_dim]) belongs to request
-// token_request[i] and sees that request's positions [0, context_lens[i]). Writes out
-// [tokens, heads * head_dim].
-void attend_tokens(const float* q, int64_t q_row_stride, const at::Tensor& key_cache,
-                   const at::Tensor& value_cache, const at::Tensor& block_table,
-                   const std::vector<int64_t>& token_request,
-                   const std::vector<int64_t>& context_lens, int64_t num_heads,
-                   int64_t block_size, float scale, float* out) {
+// One unit of attention work for one KV head: `tokens` consecutive query rows of a request
+// (from row `row`), at positions first_pos .. first_pos + tokens - 1 of its context. A decode
+// token is a task alone; a prefill chunk is cut into tasks of up to kPrefillRows / group tokens.
+struct AttentionTask {
+  int64_t row, tokens, request, first_pos, kv_head;
+  int64_t cost;  // query rows x keys read: larger tasks start first
+};
+
+// The tasks of a step whose request r has query rows [starts[r], starts[r + 1]) at the end of
+// its lens[r]-token context.
+std::vector<AttentionTask> attention_tasks(const int32_t* starts, const int32_t* lens,
+                                           int64_t num_reqs, int64_t group,
+                                           int64_t num_kv_heads) {
+  TORCH_CHECK(group <= skiff_cpu::kPrefillRows, "attention: more than 64 query heads per KV head");
+  const int64_t tile = skiff_cpu::kPrefillRows / group;  // prefill tokens per task
+  std::vector<AttentionTask> tasks;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = starts[r + 1] - starts[r], first_pos = lens[r] - q_len;
+    const int64_t step = q_len == 1 ? 1 : tile;
+    for (int64_t j = 0; j < q_len; j += step) {
+      const int64_t tokens = std::min(step, q_len - j), keys = first_pos + j + tokens;
+      const int64_t rows = tokens == 1 ? group : skiff_cpu::kPrefillRows;
+      for (int64_t g = 0; g < num_kv_heads; ++g)
+        tasks.push_back({starts[r] + j, tokens, r, first_pos + j, g, rows * keys});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const AttentionTask& a, const AttentionTask& b) { return a.cost > b.cost; });
+  return tasks;
+}
+
+// Causal attention of query rows against the paged cache (q: row i's heads at
+// q + i * q_row_stride, [heads, head_dim]); writes out [rows, heads * head_dim]. Decode tokens
+// read their context once for the query heads of a KV head (`attend`); prefill tasks once for
+// a tile of tokens (`attend_prefill`). The threads take tasks, largest first, from a shared
+// counter: a causal chunk's later tiles read more keys than its first ones.
+void attend_tasks(const float* q, int64_t q_row_stride, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_table,
+                  const std::vector<AttentionTask>& tasks, int64_t num_heads, int64_t block_size,
+                  float scale, float* out) {
   const int64_t num_kv_heads = key_cache.size(1), head_dim = key_cache.size(2);
   TORCH_CHECK(head_dim % 16 == 0, "attention: head_dim must be a multiple of 16");
   const int64_t group = num_heads / num_kv_heads, width = block_table.size(1);
-  const int64_t tokens = static_cast<int64_t>(token_request.size());
   const float* keys = key_cache.data_ptr<float>();
   const float* values = value_cache.data_ptr<float>();
   const int32_t* table = block_table.data_ptr<int32_t>();
-  at::parallel_for(0, tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / num_kv_heads, g = task % num_kv_heads;
-      const int64_t context_len = context_lens[i];
-      scores.resize(group * context_len);
-      skiff_cpu::attend(q + i * q_row_stride + g * group * head_dim, group, keys, values,
-                        table + token_request[i] * width, context_len, block_size,
-                        num_kv_heads, g, head_dim, scale, scores.data(),
-                        out + (i * num_heads + g * group) * head_dim, head_dim);
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch;
+    for (int64_t i = next++; i < num_tasks; i = next++) {
+      const AttentionTask& t = tasks[i];
+      const float* q_rows = q + t.row * q_row_stride + t.kv_head * group * head_dim;
+      float* out_rows = out + (t.row * num_heads + t.kv_head * group) * head_dim;
+      const int32_t* request_table = table + t.request * width;
+      if (t.tokens == 1) {  // a decode token (or a chunk's last, alone in its tile)
+        scratch.resize(group * (t.first_pos + 1));
+        skiff_cpu::attend(q_rows, group, keys, values, request_table, t.first_pos + 1,
+                          block_size, num_kv_heads, t.kv_head, head_dim, scale, scratch.data(),
+                          out_rows, head_dim);
+      } else {
+        scratch.resize(skiff_cpu::prefill_scratch_floats(head_dim));
+        skiff_cpu::attend_prefill(q_rows, q_row_stride, t.tokens, group, t.first_pos, keys,
+                                  values, request_table, block_size, num_kv_heads, t.kv_head,
+                                  head_dim, scale, scratch.data(), out_rows,
+                                  num_heads * head_dim);
+      }
     }
   });
 }
@@ -166,21 +211,14 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, heads, head_di
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
               "paged_attention: int32 query_start_loc, seq_lens and contiguous block_table");
-  const int64_t tokens = query.size(0), num_heads = query.size(1);
-  std::vector<int64_t> token_request(tokens), context_lens(tokens);
-  const auto* starts = query_start_loc.data_ptr<int32_t>();
-  const auto* lens = seq_lens.data_ptr<int32_t>();
-  for (int64_t r = 0; r < seq_lens.size(0); ++r) {
-    const int64_t q_len = starts[r + 1] - starts[r];
-    for (int64_t j = 0; j < q_len; ++j) {  // causal: the j-th new token sees one more
-      token_request[starts[r] + j] = r;
-      context_lens[starts[r] + j] = lens[r] - q_len + j + 1;
-    }
-  }
+  const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(1);
+  const auto tasks =
+      attention_tasks(query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                      seq_lens.size(0), num_heads / num_kv_heads, num_kv_heads);
   at::Tensor out = at::empty_like(query);
-  attend_tokens(query.data_ptr<float>(), num_heads * query.size(2), key_cache, value_cache,
-                block_table, token_request, context_lens, num_heads, block_size,
-                static_cast<float>(scale), out.data_ptr<float>());
+  attend_tasks(query.data_ptr<float>(), num_heads * query.size(2), key_cache, value_cache,
+               block_table, tasks, num_heads, block_size, static_cast<float>(scale),
+               out.data_ptr<float>());
   return out;
 }
 
@@ -308,13 +346,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
   // Paged attention straight from the cache.
   at::Tensor attn = at::empty({batch, q_size}, hidden.options());  // [B, heads * head_dim]
-  std::vector<int64_t> token_request(batch), context_lens(batch);
-  for (int64_t b = 0; b < batch; ++b) {
-    token_request[b] = b;
-    context_lens[b] = seq_lens.data_ptr<int32_t>()[b];
-  }
-  attend_tokens(qkv_p, row, key_cache, value_cache, block_table, token_request, context_lens,
-                num_heads, block_size, static_cast<float>(scale), attn.data_ptr<float>());
+  std::vector<int32_t> starts(batch + 1);
+  std::iota(starts.begin(), starts.end(), 0);  // one query token per request
+  const auto tasks = attention_tasks(starts.data(), seq_lens.data_ptr<int32_t>(), batch,
+                                     num_heads / num_kv_heads, num_kv_heads);
+  attend_tasks(qkv_p, row, key_cache, value_cache, block_table, tasks, num_heads, block_size,
+               static_cast<float>(scale), attn.data_ptr<float>());
 
   // Output projection, residual add, RMSNorm, MLP.
   at::Tensor attn_out = project(attn, o_weight, o_scale);  // [B, H]
