@@ -1,8 +1,9 @@
 """The C++ CPU ops (kernels/csrc/cpu_ops.cpp) against their references: `linear` against
 float64 (every tile remainder, chunk boundary and weight-row tail, bias, non-contiguous inputs,
 lower-precision weights, the shapes it hands back to torch) and the elementwise ops against
-kernels/reference.py. Attention: tests/worker/test_torch_backend.py; the fused decode layer:
-tests/worker/test_cpu_decode.py."""
+kernels/reference.py; prefill attention (tiles of query rows against tiles of keys) against
+the reference at 1 to 8k tokens with grouped-query heads. The attention backend:
+tests/worker/test_torch_backend.py; the fused decode layer: tests/worker/test_cpu_decode.py."""
 
 from __future__ import annotations
 
@@ -143,3 +144,76 @@ def test_silu_and_mul_matches_reference(intermediate):
     x[0, :4] = torch.tensor([-100.0, 100.0, -90.0, 0.0])
     got = torch.ops.skiff_cpu.silu_and_mul(x)
     torch.testing.assert_close(got, torch_reference.silu_and_mul(x), rtol=1e-5, atol=1e-6)
+
+
+def prefill_case(q_len, context, heads, kv_heads, head_dim, block_size=16, seed=0):
+    """One request: q_len new tokens after `context` cached ones, in scattered cache blocks.
+    Returns (query, kv_cache, query_start_loc, seq_lens, block_table)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_len = context + q_len
+    num_blocks = -(-seq_len // block_size) + 2
+    table = torch.randperm(num_blocks, generator=gen).to(torch.int32)[None]  # [1, num_blocks]
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    query = torch.randn(q_len, heads, head_dim, generator=gen) * 3  # peaked softmax rows
+    qsl = torch.tensor([0, q_len], dtype=torch.int32)
+    return query, kv_cache, qsl, torch.tensor([seq_len], dtype=torch.int32), table
+
+
+def chunked_reference(query, kv_cache, qsl, seq_lens, table, scale, rows=1024):
+    """reference.paged_attention of a prefill_case over slices of its query: row i sees
+    positions up to seq_len - q_len + i either way, and [heads, q_len, seq_len] is never whole."""
+    q_len, seq_len, parts = query.shape[0], int(seq_lens[0]), []
+    for lo in range(0, q_len, rows):
+        hi = min(q_len, lo + rows)
+        part_qsl = torch.tensor([0, hi - lo], dtype=torch.int32)
+        lens = torch.tensor([seq_len - q_len + hi], dtype=torch.int32)
+        part = torch_reference.paged_attention(query[lo:hi], kv_cache, part_qsl, lens, table, scale)
+        parts.append(part)
+    return torch.cat(parts)  # [q_len, heads, head_dim]
+
+
+def paged_attention(query, kv_cache, qsl, seq_lens, table, scale):
+    slots = kv_cache.flatten(1, 2)  # [2, num_slots, kv_heads, head_dim]
+    block_size = kv_cache.shape[2]
+    return torch.ops.skiff_cpu.paged_attention(
+        query, slots[0], slots[1], qsl, seq_lens, table, scale, block_size
+    )
+
+
+# 1 token (the decode path), 63/64/65 (the 64-key tile and the 21-token query tile of GQA 3
+# around them), 2k and 8k (many key tiles: the online softmax's rescaling).
+@pytest.mark.parametrize("q_len", [1, 63, 64, 65, 2048, 8192])
+def test_prefill_attention_matches_reference(q_len):
+    heads, kv_heads, head_dim = (9, 3, 64) if q_len < 8192 else (4, 2, 64)
+    case = prefill_case(q_len, 0, heads, kv_heads, head_dim)
+    got = paged_attention(*case, head_dim**-0.5)
+    want = chunked_reference(*case, head_dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# Chunks after cached context (from mid-block, and one that is a single key tile's worth of
+# context), every tile size of query rows (group 1, 3, 4, 6 -> 64, 21, 16, 10 tokens), head
+# dims other than 64, a tile of fewer than 16 rows (2 tokens x 6 heads).
+@pytest.mark.parametrize(
+    ("q_len", "context", "heads", "kv_heads", "head_dim"),
+    [(100, 37, 4, 4, 80), (130, 64, 8, 2, 64), (50, 3, 6, 1, 128), (2, 200, 6, 1, 64),
+     (300, 1800, 9, 3, 64), (17, 0, 12, 3, 32)],
+)  # fmt: skip
+def test_prefill_chunk_after_context_matches_reference(q_len, context, heads, kv_heads, head_dim):
+    case = prefill_case(q_len, context, heads, kv_heads, head_dim, seed=q_len)
+    got = paged_attention(*case, head_dim**-0.5)
+    want = chunked_reference(*case, head_dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_tiles_equal_one_request_per_token():
+    """A chunk's tokens as separate one-token requests (the decode path, the context read
+    once per token) give what the tiled chunk gives, in one step with other requests."""
+    case = prefill_case(70, 30, 9, 3, 64, seed=5)
+    query, kv_cache, _, _, table = case
+    tiled = paged_attention(*case, 0.125)
+    per_token = paged_attention(
+        query, kv_cache, torch.arange(71, dtype=torch.int32),
+        torch.arange(31, 101, dtype=torch.int32), table.expand(70, -1).contiguous(), 0.125,
+    )  # fmt: skip
+    torch.testing.assert_close(tiled, per_token, rtol=1e-5, atol=1e-5)
