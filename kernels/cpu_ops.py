@@ -6,7 +6,7 @@
 - `decode_layer(...)`: a whole decoder layer of a decode-only step in one call
   (`services/worker/cpu_decode.py`);
 - `paged_attention(...)`: a step's tokens against the paged cache
-  (`services/worker/attention/torch_backend.py`);
+  (`services/worker/attention/cpu_backend.py`);
 - `rms_norm`, `rotary_embedding`, `silu_and_mul`: the model's elementwise ops
   (`kernels/ops.py` dispatches CPU fp32 tensors to all but `decode_layer`).
 

@@ -3,7 +3,7 @@ float64 (every tile remainder, chunk boundary and weight-row tail, bias, non-con
 lower-precision weights, the shapes it hands back to torch) and the elementwise ops against
 kernels/reference.py; prefill attention (tiles of query rows against tiles of keys) against
 the reference at 1 to 8k tokens with grouped-query heads. The attention backend:
-tests/worker/test_torch_backend.py; the fused decode layer: tests/worker/test_cpu_decode.py."""
+tests/worker/test_cpu_backend.py; the fused decode layer: tests/worker/test_cpu_decode.py."""
 
 from __future__ import annotations
 

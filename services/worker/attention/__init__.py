@@ -14,9 +14,9 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
         from services.worker.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    from services.worker.attention.torch_backend import TorchAttentionBackend
+    from services.worker.attention.cpu_backend import CpuAttentionBackend
 
-    return TorchAttentionBackend()
+    return CpuAttentionBackend()
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]

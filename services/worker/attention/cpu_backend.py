@@ -1,9 +1,10 @@
 """Paged attention for the CPU.
 
 Where the C++ CPU ops run (kernels/cpu_ops.py; fp32, head_dim a multiple of 16), every token
-of a step, decode and prefill alike, goes through `skiff_cpu::paged_attention`: it reads its
-request's context in place through the block table, one task per (token, KV head), each key
-and value read once for the query heads that share it.
+of a step, decode and prefill alike, goes through `skiff_cpu::paged_attention`: it reads each
+request's context in place through the block table, each key and value read once for the
+query heads that share it: per token for decode tokens, per tile of tokens for prefill chunks
+(flash-attention style: an online softmax over tiles of keys, causal tiles skipped).
 
 Otherwise plain torch: decode requests (one query token) are batched into a few SDPA calls,
 grouped by context length so that padding to the group's longest context stays small; prefill
@@ -89,7 +90,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return gathered.view(blocks.shape[0], -1, *cache.shape[-2:])
 
 
-class TorchAttentionBackend:
+class CpuAttentionBackend:
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -102,13 +103,14 @@ class TorchAttentionBackend:
         ops.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         if ops.use_cpu_ops(query) and query.shape[-1] % 16 == 0:
             slots = kv_cache.flatten(1, 2)  # [2, num_slots, kv_heads, head_dim]
-            return torch.ops.skiff_cpu.paged_attention(
+            attended: torch.Tensor = torch.ops.skiff_cpu.paged_attention(
                 query.contiguous(), slots[0], slots[1], meta.query_start_loc, meta.seq_lens,
                 meta.block_table, scale, kv_cache.shape[2],
             )  # fmt: skip
-        if meta.backend_state is None:
+            return attended
+        if not isinstance(meta.backend_state, _StepPlan):  # the step's first layer
             meta.backend_state = _plan(meta, kv_cache.shape[2])
-        plan: _StepPlan = meta.backend_state
+        plan = meta.backend_state
         out = torch.empty_like(query)
         for group in plan.decodes:
             out[group.rows] = self._decode(query, kv_cache, group, scale)
@@ -125,7 +127,12 @@ class TorchAttentionBackend:
         return out
 
     @staticmethod
-    def _decode(query, kv_cache, group: _DecodeGroup, scale: float) -> torch.Tensor:
+    def _decode(
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        group: _DecodeGroup,
+        scale: float,
+    ) -> torch.Tensor:
         q = query[group.rows].unsqueeze(2)  # [group, num_heads, 1, head_dim]
         k, v = (_gather(kv_cache[i], group.blocks) for i in (0, 1))  # [group, len, kv, dim]
         out = F.scaled_dot_product_attention(
@@ -139,7 +146,15 @@ class TorchAttentionBackend:
         return out.squeeze(2)  # [group, num_heads, head_dim]
 
     @staticmethod
-    def _prefill(query, key, value, kv_cache, seq_len, blocks, scale) -> torch.Tensor:
+    def _prefill(
+        query: torch.Tensor,  # [q_len, num_heads, head_dim]
+        key: torch.Tensor,  # [q_len, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [q_len, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        seq_len: int,
+        blocks: torch.Tensor,  # [num_blocks] int64
+        scale: float,
+    ) -> torch.Tensor:
         q_len = query.shape[0]
         if q_len == seq_len:  # no earlier context: attend to the new keys directly
             k, v, causal, mask = key, value, True, None

@@ -9,7 +9,7 @@ import torch
 from kernels import cpu_ops
 from kernels.reference import paged_attention
 from services.worker.attention import AttentionMetadata
-from services.worker.attention.torch_backend import TorchAttentionBackend
+from services.worker.attention.cpu_backend import CpuAttentionBackend
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu_ops"])
@@ -54,7 +54,7 @@ def test_mixed_batch_matches_reference(backend, seed, heads, kv_heads, dim):
     assert cpu_ops.load()
     cpu_ops.use(backend == "cpu_ops")
     try:
-        out = TorchAttentionBackend().forward(q, k, v, kv_cache, meta, scale=dim**-0.5)
+        out = CpuAttentionBackend().forward(q, k, v, kv_cache, meta, scale=dim**-0.5)
     finally:
         cpu_ops.use(True)
     if backend == "torch":
