@@ -51,6 +51,19 @@ class SchedulerConfig:
         "fcfs: first come, first served; priority: by each request's priority (lower first), "
         "then arrival, and preempt the lowest priority first",
     )
+    long_prefill_token_threshold: int = setting(
+        0,
+        "a request with more tokens than this is a long prefill, its chunks sized by the "
+        "worker's measured step times (0: 4 percent of the context length)",
+    )
+    long_prefill_step_time: float = setting(
+        0.5, "seconds a step's long prefill chunks may take in all (0: no limit)"
+    )
+    long_prefill_share: float = setting(
+        0.5,
+        "while other requests decode, long prefill chunks get at most this share of a "
+        "step's time (1: no limit)",
+    )
 
     def __post_init__(self) -> None:
         check_positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
@@ -59,6 +72,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
             )
+        if self.long_prefill_token_threshold < 0 or self.long_prefill_step_time < 0:
+            raise ValueError("long_prefill_token_threshold and long_prefill_step_time must be >= 0")
+        if not 0 < self.long_prefill_share <= 1:
+            raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
 
 
 @dataclass(frozen=True)

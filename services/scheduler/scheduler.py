@@ -2,6 +2,8 @@
 
 Each step every request gets tokens so that its computed tokens catch up with its known
 tokens, within the token budget and the sequence limit; long prompts are thereby chunked.
+A long prefill's chunks are also cut to the time the step gives them (`PrefillPacer`), so that
+running requests keep decoding and new ones are admitted while a long prompt is computed.
 Running requests go first; waiting ones are admitted only if nothing was preempted this step.
 The scheduling policy (vLLM's) orders both: with "fcfs" requests wait in arrival order and,
 when blocks run out, the most recently admitted running request is preempted (recompute);
@@ -19,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.prefill_pacer import PrefillPacer
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.request_queue import create_request_queue
 from shared.config import SchedulerConfig
@@ -61,6 +64,12 @@ class Scheduler:
         self.finished_req_ids: list[str] = []  # to tell the worker in the next plan
         self.step_id = 0
         self.num_preemptions = 0
+        self.pacer = PrefillPacer(config)
+        # vLLM's default when prefills are paced: 4% of the context length
+        self.long_prefill_threshold = config.long_prefill_token_threshold or max(
+            1, self.max_model_len // 25
+        )
+        self._long_prefill_s: float | None = None  # seconds left to this step's long prefills
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -129,11 +138,13 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: list[Request] = []
+        self._long_prefill_s = None
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(self._num_runnable_tokens(request), budget)
+            num_new = self._pace(request, num_new, num_scheduled)
             if num_new <= 0:
                 i += 1
                 continue
@@ -176,8 +187,29 @@ class Scheduler:
             preempted_req_ids=[r.req_id for r in preempted],
         )
         self.finished_req_ids = []
+        self.pacer.record(
+            plan.step_id,
+            {req_id: n for req_id, n in num_scheduled.items() if n > 1},
+            sum(1 for n in num_scheduled.values() if n == 1),
+        )
         self.step_id += 1
         return plan
+
+    def _pace(self, request: Request, num_new: int, num_scheduled: dict[str, int]) -> int:
+        """`num_new` tokens of a request, a long prefill's cut to the seconds this step has
+        left for long prefills (`num_scheduled`: the step's tokens so far)."""
+        if num_new <= 1 or request.num_tokens <= self.long_prefill_threshold:
+            return num_new
+        if self._long_prefill_s is None:
+            decoding = 1 in num_scheduled.values() or any(
+                r.req_id not in num_scheduled and self._num_runnable_tokens(r) == 1
+                for r in self.running
+            )
+            self._long_prefill_s = self.pacer.step_budget(decoding)
+        rate = self.pacer.rate(request.req_id)
+        num_new = self.pacer.chunk(num_new, rate, self._long_prefill_s)
+        self._long_prefill_s -= num_new * rate
+        return num_new
 
     @staticmethod
     def _advance(request: Request, num_new: int) -> None:
@@ -237,6 +269,9 @@ class Scheduler:
             request = self.waiting.peek()
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            num_new = self._pace(request, num_new, num_scheduled)
+            if num_new <= 0:
+                break  # a long prefill waits for a step with time for it
             new_block_ids = self.kv.allocate_slots(request, num_new, hits)
             if new_block_ids is None:
                 break
@@ -300,6 +335,7 @@ class Scheduler:
         A request that finished (or was aborted) after this step was planned is gone: its
         token from this step is dropped. One preempted after it was planned keeps its token.
         """
+        self.pacer.observe(output)
         outputs: list[RequestOutput] = []
         requests, logprobs = self.requests, output.logprobs
         prompt_logprobs_of = output.prompt_logprobs
@@ -361,6 +397,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv.forget(request)
+        self.pacer.forget(request.req_id)
         del self.requests[request.req_id]
 
 
