@@ -25,8 +25,8 @@ import functools
 import math
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kernels._checks import INDEX_DTYPES, check, check_device, check_shape
 
@@ -34,8 +34,10 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 
 
-@triton.jit
-def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr):
+@triton.jit  # type: ignore[untyped-decorator]
+def _find_request(
+    query_start_loc_ptr: tl.tensor, num_reqs: tl.tensor, q_block: tl.tensor, BLOCK_Q: tl.constexpr
+) -> tl.tensor:
     """The last request i whose first program (see the module docstring) is <= q_block."""
     lo = tl.full([], 0, tl.int32)
     hi = tl.full([], 0, tl.int32) + num_reqs
@@ -51,29 +53,29 @@ def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr)
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+@triton.jit(do_not_specialize=["num_reqs"])  # type: ignore[untyped-decorator]
 def _paged_attention_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim], or partials [NUM_SPLITS, ...] fp32
-    lse_ptr,  # [NUM_SPLITS, num_tokens, num_heads] fp32 (only with NUM_SPLITS > 1)
-    query_ptr,  # [num_tokens, num_heads, head_dim]
-    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    query_start_loc_ptr,  # [num_reqs + 1]
-    seq_lens_ptr,  # [num_reqs]
-    block_table_ptr,  # [num_reqs, max_blocks]
-    scale_log2,  # softmax scale * log2(e)
-    num_reqs,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_split,
-    stride_lse_split,
-    stride_lse_t,
-    stride_kv,
-    stride_block,
-    stride_offset,
-    stride_head,
-    stride_table,
+    out_ptr: tl.tensor,  # [num_tokens, num_heads, head_dim], or partials [NUM_SPLITS, ...] fp32
+    lse_ptr: tl.tensor,  # [NUM_SPLITS, num_tokens, num_heads] fp32 (only with NUM_SPLITS > 1)
+    query_ptr: tl.tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache_ptr: tl.tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc_ptr: tl.tensor,  # [num_reqs + 1]
+    seq_lens_ptr: tl.tensor,  # [num_reqs]
+    block_table_ptr: tl.tensor,  # [num_reqs, max_blocks]
+    scale_log2: tl.tensor,  # softmax scale * log2(e)
+    num_reqs: tl.tensor,
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
+    stride_split: tl.tensor,
+    stride_lse_split: tl.tensor,
+    stride_lse_t: tl.tensor,
+    stride_kv: tl.tensor,
+    stride_block: tl.tensor,
+    stride_offset: tl.tensor,
+    stride_head: tl.tensor,
+    stride_table: tl.tensor,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -83,7 +85,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
-):
+) -> None:
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -157,25 +159,25 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + lse_off, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+@triton.jit(do_not_specialize=["num_reqs"])  # type: ignore[untyped-decorator]
 def _merge_splits_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim]
-    partial_ptr,  # [NUM_SPLITS, num_tokens, num_heads, head_dim] fp32
-    lse_ptr,  # [NUM_SPLITS, num_tokens, num_heads] fp32
-    query_start_loc_ptr,  # [num_reqs + 1]
-    num_reqs,
-    stride_ot,
-    stride_oh,
-    stride_split,
-    stride_pt,
-    stride_ph,
-    stride_lse_split,
-    stride_lse_t,
+    out_ptr: tl.tensor,  # [num_tokens, num_heads, head_dim]
+    partial_ptr: tl.tensor,  # [NUM_SPLITS, num_tokens, num_heads, head_dim] fp32
+    lse_ptr: tl.tensor,  # [NUM_SPLITS, num_tokens, num_heads] fp32
+    query_start_loc_ptr: tl.tensor,  # [num_reqs + 1]
+    num_reqs: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
+    stride_split: tl.tensor,
+    stride_pt: tl.tensor,
+    stride_ph: tl.tensor,
+    stride_lse_split: tl.tensor,
+    stride_lse_t: tl.tensor,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-):
+) -> None:
     token = tl.program_id(0)
     head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_reqs):  # padding past the last request
@@ -322,7 +324,7 @@ def _block_q(group: int, max_query_len: int | None, block_m: int | None) -> int:
     block_q = max(1, (block_m or 64) // group)
     if max_query_len is None:
         return block_q
-    return max(1, min(block_q, triton.next_power_of_2(max(1, max_query_len))))
+    return max(1, min(block_q, int(triton.next_power_of_2(max(1, max_query_len)))))
 
 
 def _default_splits(
@@ -334,7 +336,7 @@ def _default_splits(
     target = 4 * _num_sms(device.index if device.index is not None else 0)
     if num_programs >= target:
         return 1
-    by_occupancy = triton.next_power_of_2(math.ceil(target / num_programs))
+    by_occupancy = int(triton.next_power_of_2(math.ceil(target / num_programs)))
     by_length = max(1, max_seq_len // (4 * tile_n))  # at least 4 tiles per split
     return min(by_occupancy, 1 << (by_length.bit_length() - 1), MAX_SPLITS)  # a power of two
 

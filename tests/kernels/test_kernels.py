@@ -289,6 +289,13 @@ def test_paged_attention_tilings(block_m: int, tile_n: int) -> None:
     check_attention(batch, block_m=block_m, tile_n=tile_n)
 
 
+def test_paged_attention_long_prefill() -> None:
+    """A 2k-token prefill chunk after 300 cached tokens with grouped-query heads: programs of
+    BLOCK_Q tokens walk up to 37 key tiles (an online softmax over all of them)."""
+    batch = make_batch([2048], [2348], 4, 2, 64)
+    check_attention(batch, max_query_len=2048, max_seq_len=2348)
+
+
 def test_paged_attention_no_requests() -> None:
     batch = make_batch([], [], 2, 1, 64, num_padding=2)
     check_attention(batch)
