@@ -10,7 +10,11 @@ machine's fp32 GEMM GFLOP/s and memory bandwidth are measured in the same run.
 Writes bench/results/cpu.json, cpu-throughput.png (output throughput against concurrency: the
 served path at each --served-concurrency, transformers at each static batch size, the offline
 engine with every request at once, llama-server at each slot count) and cpu-latency.png (the
-served path's TTFT and inter-token latency CDFs). The last lines are
+served path's TTFT and inter-token latency CDFs). The long-prompt section (bench/long_prompts.py,
+--no-long-prompts skips it) measures prefill at 512, 2k and 8k prompt tokens in process and
+served, against llama.cpp's `llama-bench -p` and `llama-server`, and the ITL of running streams
+while an 8k prompt is admitted. The last lines are `prefill ratio vs llama.cpp at 2k: X.XX` and
+`prefill ratio vs llama.cpp at 8k: X.XX` (skiff's in-process prefill tokens/s / llama-bench's),
 `throughput ratio vs llama.cpp: X.XX` (skiff served / llama-server at its best slot count),
 `single-stream ratio vs llama.cpp: X.XX` (skiff's decode steps of one request, prefill
 excluded as llama-bench's tg64 excludes it / llama-bench tg64; the two take turns three
@@ -32,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import llamacpp, roofline  # noqa: E402
+from bench import llamacpp, long_prompts, roofline  # noqa: E402
 from bench.plots import plot_throughput  # noqa: E402
 from bench.sampler_bench import DecodeShare, SamplerRow  # noqa: E402
 from bench.workload import reference_workload, token_prompts  # noqa: E402
@@ -151,6 +155,12 @@ def main() -> None:
         help="llama.cpp thread counts (-t) to try (default: physical cores); the best is compared",
     )
     p.add_argument("--llama-cpp-version", default=llamacpp.LLAMA_CPP_PYTHON_VERSION)
+    p.add_argument(
+        "--no-long-prompts",
+        dest="long_prompts",
+        action="store_false",
+        help="skip the long-prompt section (prefill at 512/2k/8k tokens, ITL under an 8k one)",
+    )
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu.json"))
     args = p.parse_args()
     torch.manual_seed(0)
@@ -256,6 +266,13 @@ def main() -> None:
     else:
         plots = [plot_throughput(peers, out_dir / "cpu-throughput.png", "output throughput")]
 
+    long = None
+    if args.long_prompts:
+        llama_threads = [int(x) for x in args.llama_cpp_threads.split(",")]
+        long = long_prompts.run(
+            llm, llama, llama_threads, served=args.served, llama_missing=llama_missing
+        )
+
     sampler: tuple[list[SamplerRow], DecodeShare] | None = None
     if args.sampler:
         from bench.sampler_bench import report, run_sampler_bench
@@ -277,6 +294,8 @@ def main() -> None:
     if served:
         print(f"served / in-process throughput: {served['vs_in_process']:.2f}")
         print(json.dumps(served, indent=2))
+    if long:
+        print("\n".join(long.report()))
     if sampler:
         print("\nsampler per step (batched vs a naive per-request loop, same run):")
         report(*sampler)
@@ -298,6 +317,7 @@ def main() -> None:
                     "missing": None if llama_rates and llama_single else llama_missing,
                 },
                 "machine": machine,
+                "long_prompts": long.as_json() if long else None,
                 "sampler": [*sampler[0], sampler[1]] if sampler else None,
             },
             indent=2,
@@ -306,6 +326,8 @@ def main() -> None:
     print("plots: " + ", ".join(str(p) for p in plots))
     skiff_served = served["tokens_per_s"] if served else None
     best_llama = max(llama_rates.values()) if llama_rates else None
+    if long:
+        print("\n".join(long.ratio_lines()))
     for line in llamacpp.ratio_lines(
         skiff_served, best_llama, ours_tg, llama_single, llama_missing
     ):

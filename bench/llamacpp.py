@@ -284,6 +284,58 @@ def single_stream(llama: LlamaCpp, threads: list[int], new_tokens: int = 64) -> 
         raise LlamaCppUnavailable(str(e)) from e
 
 
+def prefill_command(llama: LlamaCpp, threads: list[int], sizes: list[int]) -> list[str]:
+    """Prefill only (pp<n> for each size, no generation) at each thread count, two
+    repetitions, JSON output."""
+    return [
+        str(llama.bench),
+        "-m",
+        str(llama.gguf),
+        "-p",
+        ",".join(map(str, sizes)),
+        "-n",
+        "0",
+        "-r",
+        "2",
+        "-t",
+        ",".join(map(str, threads)),
+        "-o",
+        "json",
+    ]
+
+
+def parse_prefill_json(text: str) -> dict[int, float]:
+    """Best mean prefill tokens/s of each prompt size (over thread counts) in
+    `llama-bench -o json` output."""
+    try:
+        runs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"llama-bench output is not JSON: {e}") from e
+    rates: dict[int, float] = {}
+    for r in runs:
+        if isinstance(r, dict) and r.get("n_gen") == 0 and r.get("n_prompt", 0) > 0:
+            n = int(r["n_prompt"])
+            rates[n] = max(rates.get(n, 0.0), float(r["avg_ts"]))
+    if not rates:
+        raise ValueError("llama-bench output has no prompt-processing (n_gen 0) result")
+    return rates
+
+
+def prefill(llama: LlamaCpp, threads: list[int], sizes: list[int]) -> dict[int, float]:
+    """`llama-bench` pp<n> prefill tokens/s of each size, the best thread count's."""
+    cmd = prefill_command(llama, threads, sizes)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LlamaCppUnavailable(f"llama-bench: {e}") from e
+    if done.returncode != 0:
+        raise LlamaCppUnavailable(f"llama-bench failed: {done.stderr.strip()[-500:]}")
+    try:
+        return parse_prefill_json(done.stdout)
+    except ValueError as e:
+        raise LlamaCppUnavailable(str(e)) from e
+
+
 SERVER_ATTEMPTS = 2
 
 
