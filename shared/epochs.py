@@ -44,3 +44,9 @@ class EpochFollower:
             return False
         self.current, self._last_seen = epoch, now
         return True
+
+    def heard(self, epoch: str) -> None:
+        """A heartbeat of a scheduler: the current epoch is alive even while it sends no plans
+        (an idle worker must not take a zombie's plans for a successor's)."""
+        if epoch == self.current:
+            self._last_seen = time.monotonic()

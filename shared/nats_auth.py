@@ -114,7 +114,8 @@ def permissions(user: NatsUser, prefix: str, num_shards: int) -> Permissions | N
                 for x in (s.worker_hello, s.worker_heartbeat, s.worker_goodbye, s.result)
             )
         ),
-        subscribe=_unique(*(s.plan(w) for s, w in own)),
+        # its scheduler's heartbeats keep an idle worker on the current epoch
+        subscribe=_unique(*(x for s, w in own for x in (s.plan(w), s.scheduler_heartbeat))),
     )
 
 

@@ -23,7 +23,13 @@ from shared import bus, tracing
 from shared.epochs import STALE_EPOCH_SILENCE_S, EpochFollower
 from shared.subjects import Subjects, worker_prefix
 from shared.tasks import BackgroundTasks
-from shared.wire import BatchPlan, ModelRunnerOutput, WorkerGoodbye, WorkerHello
+from shared.wire import (
+    BatchPlan,
+    ModelRunnerOutput,
+    SchedulerHeartbeat,
+    WorkerGoodbye,
+    WorkerHello,
+)
 
 log = logging.getLogger("skiff.worker")
 T = TypeVar("T")
@@ -125,10 +131,16 @@ class WorkerService:
         self.nc = nc
         plan_subject = self.subjects.plan(self.config.worker_id)
         await bus.subscribe(self.nc, plan_subject, BatchPlan, self._plans.put)
+        await bus.subscribe(
+            self.nc, self.subjects.scheduler_heartbeat, SchedulerHeartbeat, self._on_scheduler_beat
+        )
         await bus.publish(self.nc, self.subjects.worker_hello, self.hello())
         self._tasks.spawn(self._heartbeat(), "heartbeat")
         self._tasks.spawn(self._execute_loop(), "execute")
         log.info("worker %s up: %d KV blocks", self.config.worker_id, self.runner.num_blocks)
+
+    async def _on_scheduler_beat(self, beat: SchedulerHeartbeat) -> None:
+        self._epochs.heard(beat.epoch)
 
     def _connected(self) -> bool:
         nc: Client | None = getattr(self, "nc", None)

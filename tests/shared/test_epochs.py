@@ -29,3 +29,13 @@ def test_a_follower_ignores_an_older_epoch_until_the_current_one_falls_silent():
     assert follower.follow("c")  # keeps it fresh
     time.sleep(0.25)
     assert follower.follow("b") and follower.current == "b"
+
+
+def test_heartbeats_of_the_current_epoch_keep_an_idle_follower_on_it():
+    follower = EpochFollower(silence_s=0.2)
+    assert follower.follow("c")
+    for _ in range(3):  # no plans for 0.3 s, but heartbeats
+        time.sleep(0.1)
+        follower.heard("c")
+        follower.heard("b")  # a zombie's heartbeat refreshes nothing
+    assert not follower.follow("b") and follower.current == "c"

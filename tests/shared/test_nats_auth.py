@@ -72,7 +72,12 @@ def test_scheduler_permissions_answer_requests_without_an_inbox():
 def test_a_worker_user_gets_only_its_own_workers_plans_on_their_shards():
     perms = permissions(_user(WORKER, "w-2", "w-3", name="pod"), "p", 2)
     assert perms is not None and not perms.allow_responses
-    assert perms.subscribe == ("p.shard0.worker.w-2.plan", "p.shard1.worker.w-3.plan")
+    assert perms.subscribe == (
+        "p.shard0.worker.w-2.plan",
+        "p.shard0.scheduler.heartbeat",
+        "p.shard1.worker.w-3.plan",
+        "p.shard1.scheduler.heartbeat",
+    )
     assert perms.publish == (
         "p.shard0.worker.hello",
         "p.shard0.worker.heartbeat",
@@ -110,7 +115,7 @@ def test_the_authorization_block_lists_users_with_their_permissions():
         "publish": {
             "allow": ["p.worker.hello", "p.worker.heartbeat", "p.worker.goodbye", "p.worker.result"]
         },
-        "subscribe": {"allow": ["p.worker.w-0.plan"]},
+        "subscribe": {"allow": ["p.worker.w-0.plan", "p.scheduler.heartbeat"]},
     }
     tls = ServerTls("c.pem", "k.pem", "ca.pem")
     conf = server_config(users, "p", 1, tls=tls, max_payload=2048)
@@ -136,6 +141,7 @@ def test_the_command_writes_a_private_config_from_password_files(tmp_path):
     assert [u["password"] for u in users][-1] == "skiff-worker-1-pw"
     assert users[-1]["permissions"]["subscribe"]["allow"] == [
         "p.worker.skiff-worker-1-0.plan",
+        "p.scheduler.heartbeat",
         "p.worker.skiff-worker-1-1.plan",
     ]
     with pytest.raises(SystemExit):
