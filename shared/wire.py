@@ -14,7 +14,9 @@ from shared.sampling_params import SamplingParams
 
 # 2: WorkerHello.max_num_seqs, BatchPlan.worker_session, typed stats
 # 3: BatchPlan.scheduler_epoch, no longer a prefix of BatchPlan.worker_session
-PROTOCOL_VERSION = 3
+# 4: WorkerHello.step_id and .progress (a long step is not hung while it advances), and
+#    TokenDelta.finish_reason "error" with TokenDelta.error (a request failed by the scheduler)
+PROTOCOL_VERSION = 4
 M = TypeVar("M", bound=msgspec.Struct)
 
 
@@ -151,8 +153,9 @@ class AbortRequests(msgspec.Struct, kw_only=True):
 
 
 class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """New tokens of one request from one step. `finish_reason` is "stop", "length" or
-    "abort" on the last delta; `stop_token_id` is set when a stop token ended it."""
+    """New tokens of one request from one step. `finish_reason` is "stop", "length", "abort"
+    or "error" on the last delta; `stop_token_id` is set when a stop token ended it, `error`
+    says why the scheduler failed the request ("error")."""
 
     req_id: str
     new_token_ids: list[int] = []
@@ -161,6 +164,7 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs | None] = []
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None
 
 
 class OutputBatch(msgspec.Struct, kw_only=True):
@@ -235,7 +239,10 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
 
 
 class WorkerHello(msgspec.Struct, kw_only=True):
-    """A worker announcing itself (also sent as its periodic heartbeat)."""
+    """A worker announcing itself (also sent as its periodic heartbeat). `step_id` is the
+    step it is executing (-1: none) and `progress` its runner's units of work done since it
+    started (decoder layers, logits passes), read outside the step's thread: a step whose
+    worker reports progress on it is running, not hung."""
 
     worker_id: str
     instance_id: str  # new on every process start: a restarted worker lost its KV cache
@@ -247,6 +254,8 @@ class WorkerHello(msgspec.Struct, kw_only=True):
     device: str
     vocab_size: int
     eos_token_ids: list[int] = []
+    step_id: int = -1
+    progress: int = 0
     version: int = PROTOCOL_VERSION
 
 

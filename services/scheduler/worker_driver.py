@@ -28,7 +28,7 @@ Publish = Callable[[str, msgspec.Struct], Awaitable[int]]  # returns the encoded
 
 @dataclass(frozen=True)
 class StepDeadline:
-    """How long a step's result may take once the worker can start it: `base_s` plus
+    """How long a step may go without its result or progress reported on it: `base_s` plus
     `per_token_s` per scheduled token."""
 
     base_s: float
@@ -44,13 +44,18 @@ class StepInFlight:
     num_tokens: int  # scheduled in this step
     published_at: float  # perf_counter() after the plan was handed to NATS
     result: asyncio.Future[ModelRunnerOutput]
+    req_ids: tuple[str, ...] = ()  # the requests it schedules tokens of
 
 
 class WorkerDriver:
     """Drives one worker's core. `on_outputs` receives each step's outputs; `on_stall` is
     called (from the loop, which then ends) when a step's result misses its `deadline`,
     counted from when the worker could start it (its publication, or the previous result with
-    two plans in flight): the worker hangs, or the plan or its result was lost."""
+    two plans in flight) or from the last heartbeat that reported progress on the step,
+    whichever is later: the worker hangs, or the plan or its result was lost. A long step
+    (attention over a long context costs more than any allowance per token) thus runs as long
+    as its worker reports progress on it at least once per deadline, and a worker that stops
+    progressing is caught one deadline after its last progress."""
 
     def __init__(
         self,
@@ -104,6 +109,10 @@ class WorkerDriver:
         """New work (or an abort to pass on) for an idle loop."""
         self._wakeup.set()
 
+    def requests_in_flight(self) -> set[str]:
+        """The requests scheduled in the steps published and not answered yet."""
+        return {req_id for step in self._in_flight for req_id in step.req_ids}
+
     def on_result(self, output: ModelRunnerOutput) -> None:
         """Hand the worker's result to the loop if it answers a step in flight."""
         for step in self._in_flight:
@@ -121,8 +130,7 @@ class WorkerDriver:
                 continue
             step = self._in_flight[0]
             try:
-                timeout = self._deadline.seconds(step.num_tokens)
-                output = await asyncio.wait_for(step.result, timeout)
+                output = await self._result(step)
             except TimeoutError:
                 self._stall(step.step_id)
                 return
@@ -140,6 +148,24 @@ class WorkerDriver:
             outputs = core.update(output)
             await self._on_outputs(outputs)
             self._metrics.schedule_seconds.observe(schedule_s + time.perf_counter() - t0)
+
+    async def _result(self, step: StepInFlight) -> ModelRunnerOutput:
+        """`step`'s result; raises TimeoutError once neither it nor progress on it came for
+        the step's deadline. Progress comes with heartbeats (`WorkerHandle.heard`), so the
+        wait is cut at the deadline from the latest report, never polled."""
+        timeout = self._deadline.seconds(step.num_tokens)
+        since = time.monotonic()  # when the worker could start it
+        while True:
+            worker = self.worker
+            if worker.progress_step_id == step.step_id:
+                since = max(since, worker.progress_at)
+            left = since + timeout - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            try:
+                return await asyncio.wait_for(asyncio.shield(step.result), left)
+            except TimeoutError:
+                continue
 
     async def _announce(self) -> None:
         """First an empty plan of the new session: the worker drops what it held and knows it
@@ -168,6 +194,7 @@ class WorkerDriver:
                 plan.total_num_scheduled_tokens,
                 time.perf_counter(),
                 loop.create_future(),
+                tuple(plan.num_scheduled_tokens),
             )
             self._in_flight.append(step)  # before the await: the result may beat it back
             if self._traces is not None:
@@ -186,7 +213,10 @@ class WorkerDriver:
         await self._wakeup.wait()
 
     def _stall(self, step_id: int) -> None:
-        log.error("worker %s: no result for step %d in time", self.worker.worker_id, step_id)
+        """`on_stall` still finds the steps in flight (`requests_in_flight`)."""
+        log.error(
+            "worker %s: no result or progress for step %d in time", self.worker.worker_id, step_id
+        )
+        self._on_stall(self.worker)
         self._in_flight.clear()
         self._plans_in_flight.set(0)
-        self._on_stall(self.worker)

@@ -22,10 +22,24 @@ class WorkerHandle:
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     last_seen: float = field(default_factory=time.monotonic)
     healthy: bool = True  # False from a missed step deadline until it answers a probe
+    # The step its heartbeats last reported progress on (-1: none yet), and when (monotonic)
+    progress_step_id: int = -1
+    progress_at: float = 0.0
 
     @property
     def worker_id(self) -> str:
         return self.hello.worker_id
+
+    def heard(self, beat: WorkerHello) -> None:
+        """A heartbeat of this instance: alive, and if its progress counter went up since the
+        last one, progressing on the step it reports (a replayed or stale heartbeat, or one
+        of a worker that hangs, does not advance it)."""
+        now = time.monotonic()
+        self.last_seen = now
+        if beat.progress > self.hello.progress and beat.step_id >= 0:
+            self.progress_step_id, self.progress_at = beat.step_id, now
+        if beat.progress >= self.hello.progress:
+            self.hello = beat
 
 
 class WorkerPool:
@@ -42,7 +56,7 @@ class WorkerPool:
         A new instance is healthy."""
         old = self.workers.get(hello.worker_id)
         if old is not None and old.hello.instance_id == hello.instance_id and not fresh:
-            old.last_seen = time.monotonic()
+            old.heard(hello)
             return old, None
         config = dataclasses.replace(
             self.config,

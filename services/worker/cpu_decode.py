@@ -62,6 +62,7 @@ class FusedCpuDecode:
             hidden, residual = torch.ops.skiff_cpu.decode_layer(
                 hidden, residual, *pre, cos_sin, *cache, *step, *post, *attention
             )
+            model.progress += 1
         normed: torch.Tensor = model.norm(hidden, residual)[0]
         return normed
 

@@ -106,6 +106,11 @@ class ModelRunner:
         self.requests.clear()
         self.batch = self._new_batch()
 
+    @property
+    def progress(self) -> int:
+        """The model's decoder layers and logits passes since load (heartbeats report it)."""
+        return self.model.progress
+
     def _new_batch(self) -> InputBatch:
         c = self.config
         return InputBatch(c.max_num_seqs, self.max_model_len, c.block_size, self.grammar)

@@ -48,6 +48,12 @@ class Runner(Protocol):
     timer: StepTimer  # the last step's phases
     batch: InputBatch  # the persistent batch (its block tables)
 
+    @property
+    def progress(self) -> int:
+        """Units of work done since start (decoder layers, logits passes), read from the loop
+        while a step runs on the runner's thread."""
+        ...
+
     def execute(self, plan: BatchPlan) -> ModelRunnerOutput: ...
 
     def reset(self) -> None: ...
@@ -93,6 +99,7 @@ class WorkerService:
         )
         self.instance_id = uuid.uuid4().hex
         self.session = NO_SESSION  # (scheduler epoch, worker session) of the last plan run
+        self.step_id = -1  # the step being executed (-1: none), reported with progress
         # A step of it failed: its plans still queued build on lost state.
         self._failed_session = NO_SESSION
         self._epochs = EpochFollower(STALE_EPOCH_SILENCE_S)  # a stale scheduler's plans: ignored
@@ -118,6 +125,8 @@ class WorkerService:
             device=str(r.device),
             vocab_size=mc.vocab_size,
             eos_token_ids=list(mc.eos_token_ids),
+            step_id=self.step_id,
+            progress=r.progress,
         )
 
     async def start(self, nc: Client | None = None) -> None:
@@ -218,12 +227,14 @@ class WorkerService:
                 self._traces.step(plan)
             start = time.perf_counter()
             self.watch.begin()
+            self.step_id = plan.step_id
             try:
                 output = await self._execute(plan)
             except Exception:
                 # Come back as a new instance: the scheduler re-places our requests elsewhere
                 # (or here, from scratch) instead of waiting for a result that never comes.
                 log.exception("step %d failed; dropping all request state", plan.step_id)
+                self.step_id = -1
                 self.watch.end(time.perf_counter() - start, count=False)
                 self.adopted = False  # until the scheduler adopts the new instance
                 await self._call(self.runner.reset)
@@ -233,6 +244,7 @@ class WorkerService:
                 self.instance_id = uuid.uuid4().hex
                 await bus.publish(self.nc, self.subjects.worker_hello, self.hello())
                 continue
+            self.step_id = -1
             if self._traces is not None:
                 self._traces.step_done()
             output.worker_id = self.config.worker_id
@@ -257,6 +269,8 @@ class WorkerService:
             series.set_kv_blocks(self.runner.batch, self.runner.num_blocks)
 
     async def _heartbeat(self) -> None:
+        """The hello, every `heartbeat_interval`, from the loop: during a long step it carries
+        the step's id and the runner's progress, so the scheduler tells it from a hung one."""
         while True:
             await asyncio.sleep(self.config.heartbeat_interval)
             if self.nc.is_connected:

@@ -9,7 +9,8 @@ seeded request gives the same tokens anywhere, as with the real sampler), else i
 comes with probability `SimConfig.sim_eos_rate` per token, never before `min_tokens` outputs;
 logprobs put the chosen token at rank 1; structured outputs are not enforced (its batch has
 no grammar compiler: a hash follows no grammar). `step` holds the simulated device for
-`SimRunner.step_time_s(plan)` on the event loop, so many simulated workers share one thread.
+`SimRunner.step_time_s(plan)` on the event loop, so many simulated workers share one thread;
+meanwhile `progress` counts its decoder layers as done in proportion to the time gone by.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Self
 
@@ -120,6 +122,8 @@ class SimRunner:
         self.model_config = model_config or ModelConfig.from_dir(config.model_dir)
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.timer = StepTimer()  # forward: the time it holds the simulated device
+        self._layers_done = 0  # of the steps held to the end
+        self._holding: tuple[float, float] | None = None  # monotonic span of the step held
         self.reset()
 
     def reset(self) -> None:
@@ -134,14 +138,33 @@ class SimRunner:
         tokens = plan.num_scheduled_tokens
         return self.sim.step_time_s(sum(tokens.values()), len(tokens))
 
+    @property
+    def progress(self) -> int:
+        """Decoder layers run so far, as ModelRunner's: every layer of each step held to the
+        end, and of the step holding the device the share of its time gone by."""
+        if self._holding is None:
+            return self._layers_done
+        start, end = self._holding
+        share = min(1.0, (time.monotonic() - start) / (end - start)) if end > start else 1.0
+        return self._layers_done + int(self.model_config.num_hidden_layers * share)
+
     async def step(self, plan: BatchPlan) -> ModelRunnerOutput:
         """Execute the plan, then hold the device until its modelled time has passed; other
         coroutines (heartbeats, other simulated workers) run meanwhile."""
         loop = asyncio.get_running_loop()
-        done_at = loop.time() + self.step_time_s(plan)
-        output = self.execute(plan)
-        held_from = loop.time()
-        await asyncio.sleep(max(0.0, done_at - held_from))
+        step_s = self.step_time_s(plan)
+        done_at = loop.time() + step_s
+        if plan.num_scheduled_tokens:
+            started = time.monotonic()
+            self._holding = (started, started + step_s)
+        try:
+            output = self.execute(plan)
+            held_from = loop.time()
+            await asyncio.sleep(max(0.0, done_at - held_from))
+        finally:
+            if self._holding is not None:
+                self._holding = None
+                self._layers_done += self.model_config.num_hidden_layers
         if plan.num_scheduled_tokens:
             self.timer.add("forward", loop.time() - held_from)
         return output

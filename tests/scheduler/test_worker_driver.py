@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
+
+import msgspec
 
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import FinishReason, Request
@@ -20,10 +23,12 @@ class Harness:
         self, step_timeout_s: float = 30.0, async_scheduling: bool = False, per_token_s: float = 0.0
     ) -> None:
         config = SchedulerConfig(async_scheduling=async_scheduling)
-        self.worker, _ = WorkerPool(config).register(make_hello())
+        self.pool = WorkerPool(config)
+        self.worker, _ = self.pool.register(make_hello())
         self.publisher = FakePublisher()
         self.outputs: list[RequestOutput] = []
         self.stalled: list[WorkerHandle] = []
+        self.stalled_at: list[float] = []  # time.monotonic() of each stall
         self.metrics = SchedulerMetrics("m")
         self.driver = WorkerDriver(
             self.worker,
@@ -33,8 +38,17 @@ class Harness:
             deadline=StepDeadline(step_timeout_s, per_token_s),
             metrics=self.metrics,
             on_outputs=self.on_outputs,
-            on_stall=self.stalled.append,
+            on_stall=self.on_stall,
         )
+
+    def on_stall(self, worker: WorkerHandle) -> None:
+        self.stalled.append(worker)
+        self.stalled_at.append(time.monotonic())
+
+    def heartbeat(self, step_id: int, progress: int) -> None:
+        """The worker's heartbeat, as the service hands it to the pool."""
+        beat = msgspec.structs.replace(make_hello(), step_id=step_id, progress=progress)
+        self.pool.register(beat)
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         self.outputs.extend(outputs)
@@ -198,3 +212,68 @@ def test_a_step_deadline_grows_with_its_tokens():
 def test_step_deadline():
     assert StepDeadline(2.0, per_token_s=0.01).seconds(300) == 5.0
     assert StepDeadline(2.0).seconds(10**6) == 2.0
+
+
+def test_a_long_step_reporting_progress_is_not_stalled():
+    """A step five deadlines long whose worker reports progress on it twice per deadline."""
+
+    async def run() -> Harness:
+        h = Harness(step_timeout_s=0.1)
+        h.driver.start()
+        h.add("a", max_tokens=1)
+        plan = await h.next_plan(1)
+        for progress in range(1, 11):
+            await asyncio.sleep(0.05)
+            h.heartbeat(plan.step_id, progress)
+        h.driver.on_result(result(plan))
+        await asyncio.sleep(0.01)
+        h.driver.stop()
+        return h
+
+    h = asyncio.run(run())
+    assert h.stalled == [] and [o.finish_reason for o in h.outputs] == [FinishReason.LENGTH]
+
+
+def test_a_step_stalls_one_deadline_after_its_last_progress():
+    """Progress, then the same heartbeat over and over (a hung worker's, replayed) and
+    progress on another step: the stall comes one deadline after the last progress on it."""
+
+    async def run() -> tuple[Harness, float]:
+        h = Harness(step_timeout_s=0.2)
+        h.driver.start()
+        h.add("a", max_tokens=1)
+        plan = await h.next_plan(1)
+        for progress in range(1, 5):
+            await asyncio.sleep(0.05)
+            h.heartbeat(plan.step_id, progress)
+        last_progress = time.monotonic()
+        for _ in range(8):
+            await asyncio.sleep(0.05)
+            h.heartbeat(plan.step_id, 4)  # no news
+            h.heartbeat(plan.step_id + 7, 3)  # another step's, and lower: ignored
+        h.driver.stop()
+        return h, last_progress
+
+    h, last_progress = asyncio.run(run())
+    assert h.stalled == [h.worker] and h.outputs == []
+    assert 0.2 <= h.stalled_at[0] - last_progress < 0.27
+
+
+def test_a_step_without_progress_stalls_at_its_deadline():
+    """Heartbeats that report no step (a worker idle or not started on it) do not extend it."""
+
+    async def run() -> tuple[Harness, float]:
+        h = Harness(step_timeout_s=0.15)
+        h.driver.start()
+        h.add("a", max_tokens=1)
+        await h.next_plan(1)
+        published = time.monotonic()
+        for progress in range(1, 7):
+            await asyncio.sleep(0.05)
+            h.heartbeat(-1, progress)
+        h.driver.stop()
+        return h, published
+
+    h, published = asyncio.run(run())
+    assert h.stalled == [h.worker]
+    assert 0.15 <= h.stalled_at[0] - published < 0.22

@@ -45,11 +45,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
+    """`progress` counts the decoder layers run and the logits computed since it was made: a
+    plain int, read by another thread to tell a long step from a hung one (on a GPU it counts
+    layers launched, which run ahead of the device by at most the launch queue)."""
+
     cos_sin_cache: torch.Tensor  # [max_positions, rot_dim], a buffer
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
+        self.progress = 0
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
@@ -75,11 +80,13 @@ class DecoderForCausalLM(nn.Module):
             hidden, residual = layer(
                 positions, hidden, residual, kv_cache, meta, self.cos_sin_cache
             )
+            self.progress += 1
         normed: torch.Tensor = self.norm(hidden, residual)[0]
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_reqs, hidden_size] -> logits [num_reqs, vocab_size]."""
+        self.progress += 1
         if self.lm_head is None:
             return ops.linear(hidden, self.embed_tokens.weight)
         return project(self.lm_head, hidden)
