@@ -36,6 +36,11 @@ from shared.wire import OutputBatch, SubmitRequest
 logger = logging.getLogger(__name__)
 
 _RETRYABLE = frozenset({429, 503})
+# A request the scheduler failed (finish reason "error"): it was in the steps of workers that
+# stalled or were lost, as many times as the scheduler allows. 422, not 503: the failure
+# follows the request's content, so retrying it as it is would only take down more workers,
+# and clients retry a 503 on their own (the OpenAI SDKs do), never a 422.
+FAILED_REQUEST_STATUS = 422
 
 
 @dataclass
@@ -127,11 +132,16 @@ class InFlightRequests:
             await self.transport.abort(shard, engine_ids)
 
     async def deliver(self, batch: OutputBatch) -> None:
-        """Route each delta to its stream by the engine id it was sent under."""
+        """Route each delta to its stream by the engine id it was sent under; a request the
+        scheduler failed fails its stream with FAILED_REQUEST_STATUS."""
         for delta in batch.deltas:
             record = self._routes.get(delta.req_id)
             if record is None:
                 continue  # aborted, finished, or an id we moved away from
+            if delta.finish_reason == "error":
+                error = delta.error or "the request failed"
+                self._fail(record, EngineError(FAILED_REQUEST_STATUS, error))
+                continue
             record.output_token_ids.extend(delta.new_token_ids)
             if delta.finish_reason is not None:
                 self._forget(record)

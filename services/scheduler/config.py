@@ -27,10 +27,17 @@ class SchedulerServiceConfig(NatsClientConfig):
     step_timeout: float = setting(
         20.0,
         "a step's result is due within this plus --step-timeout-per-token per scheduled "
-        "token; a worker that misses it gets no requests until it answers a probe",
+        "token, counted again from each heartbeat reporting progress on it; a worker that "
+        "misses it gets no requests until it answers a probe",
     )
     step_timeout_per_token: float = setting(
         0.01, "seconds added to a step's deadline per scheduled token"
+    )
+    max_request_failures: int = setting(
+        2,
+        "a request in the steps in flight of this many workers that missed a step deadline "
+        "or were lost (heartbeats gone, or a failed step) ends with an error (422) instead "
+        "of being re-placed again",
     )
     gateway_timeout: float = setting(15.0, "abort the requests of a gateway silent this long")
     metrics_host: str = setting("127.0.0.1", "address of the /metrics, /health, /ready server")
@@ -70,6 +77,7 @@ class SchedulerServiceConfig(NatsClientConfig):
 
     def __post_init__(self) -> None:
         check_positive(self, "max_waiting")
+        check_positive(self, "max_request_failures")
         timeouts = (self.worker_timeout, self.step_timeout, self.gateway_timeout)
         if min(self.heartbeat_interval, *timeouts) <= 0:
             raise ValueError("heartbeat interval and timeouts must be > 0")

@@ -44,6 +44,12 @@ class SchedulerMetrics:
         self.migrations = Counter(
             "skiff_request_migrations", "Requests moved off a lost worker.", registry=r
         )
+        self.requests_failed = Counter(
+            "skiff_requests_failed",
+            "Requests ended with an error after the workers running them stalled or were "
+            "lost --max-request-failures times.",
+            registry=r,
+        )
         self.step_timeouts = Counter(
             "skiff_worker_step_timeouts",
             "Steps whose result missed its deadline; the worker is then unhealthy.",

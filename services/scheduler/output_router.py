@@ -26,6 +26,13 @@ class OutputRouter:
     def requests_of(self, gateway_id: str) -> list[str]:
         return [r for r, g in self.gateway_of.items() if g == gateway_id]
 
+    async def fail(self, req_id: str, error: str) -> None:
+        """End the request with finish reason "error" and `error` for its client."""
+        gateway = self.gateway_of.pop(req_id, None)
+        if gateway is not None:
+            delta = TokenDelta(req_id=req_id, finish_reason="error", error=error)
+            await self._publish(self._subjects.output(gateway), OutputBatch(deltas=[delta]))
+
     async def publish(self, outputs: list[RequestOutput]) -> None:
         """Send each output to its request's gateway; a finished request is forgotten."""
         by_gateway: dict[str, list[TokenDelta]] = defaultdict(list)

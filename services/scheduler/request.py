@@ -19,6 +19,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"
+    ERROR = "error"  # failed by the scheduler: it stalled or lost the workers that ran it
 
 
 class Request:
@@ -45,6 +46,8 @@ class Request:
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
+        # Stalls and lost workers while a step of it was in flight, over its placements
+        self.num_failures = 0
         self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None
 

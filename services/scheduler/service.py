@@ -60,7 +60,13 @@ class SchedulerService:
         self.admission = Admission(self.pool, self.placement, config.max_waiting)
         self.router = OutputRouter(self._publish, self.subjects)
         self.liveness = Liveness(
-            self.pool, self.placement, self._start_driver, self._start_probe, self.metrics
+            self.pool,
+            self.placement,
+            self._start_driver,
+            self._start_probe,
+            self.metrics,
+            max_request_failures=config.max_request_failures,
+            fail_request=self._fail_request,
         )
         self.gateways = GatewayLiveness()
         self.num_orphans_aborted = 0
@@ -180,6 +186,15 @@ class SchedulerService:
         log.info("request finished: %s", reason, extra={"request_id": req_id})
         if self.traces is not None:
             self.traces.finished(req_id, reason)
+
+    def _fail_request(self, request: Request, error: str) -> None:
+        """End a request that stalled or took down the workers running it: its client gets
+        `error`, no worker gets it again."""
+        log.error("request failed: %s", error, extra={"request_id": request.req_id})
+        self.metrics.requests_failed.inc()
+        if self.traces is not None:
+            self.traces.finished(request.req_id, FinishReason.ERROR.value)
+        self._tasks.spawn(self.router.fail(request.req_id, error), f"fail {request.req_id}")
 
     async def _on_abort(self, msg: AbortRequests) -> None:
         for req_id in msg.req_ids:

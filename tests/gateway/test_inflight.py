@@ -175,3 +175,21 @@ async def test_only_the_requests_of_a_silent_shard_fail():
     assert len(requests) == 1 and requests.stats.failed == 1
     await requests.deliver(OutputBatch(deltas=[TokenDelta(req_id="a", finish_reason="stop")]))
     assert (await anext(stream_a)).finish_reason == "stop"
+
+
+async def test_a_request_the_scheduler_failed_fails_its_stream_with_422():
+    transport = FakeTransport(1)
+    requests = _inflight(transport)
+    stream_a = await requests.submit(_request("a"))
+    stream_b = await requests.submit(_request("b"))
+    tokens = [TokenDelta(req_id=r, new_token_ids=[7]) for r in ("a", "b")]
+    await requests.deliver(OutputBatch(deltas=tokens))
+    error = TokenDelta(req_id="a", finish_reason="error", error="it hangs workers")
+    await requests.deliver(OutputBatch(deltas=[error]))
+    assert (await anext(stream_a)).new_token_ids == [7]  # what came before still streams
+    with pytest.raises(EngineError) as err:
+        await anext(stream_a)
+    assert (err.value.status, err.value.message) == (422, "it hangs workers")
+    assert len(requests) == 1 and requests.stats.failed == 1
+    await requests.deliver(OutputBatch(deltas=[TokenDelta(req_id="b", finish_reason="stop")]))
+    assert [d.finish_reason async for d in stream_b] == [None, "stop"]

@@ -19,14 +19,21 @@ from tests.scheduler.fakes import FakePublisher, FakeWorker, make_hello
 
 
 class Harness:
-    def __init__(self, step_timeout_s: float = 30.0) -> None:
+    def __init__(self, step_timeout_s: float = 30.0, max_request_failures: int = 2) -> None:
         self.pool = WorkerPool(SchedulerConfig())
         self.metrics = SchedulerMetrics("m")
         self.publisher = FakePublisher()
         self.step_timeout_s = step_timeout_s
         self.placement = Placement(self.pool, wake=lambda wid: self.liveness.wake(wid))
+        self.failed: list[tuple[str, str]] = []  # (req_id, error) of requests failed
         self.liveness = Liveness(
-            self.pool, self.placement, self.start_driver, self.start_probe, self.metrics
+            self.pool,
+            self.placement,
+            self.start_driver,
+            self.start_probe,
+            self.metrics,
+            max_request_failures=max_request_failures,
+            fail_request=lambda request, error: self.failed.append((request.req_id, error)),
         )
 
     def start_driver(self, worker: WorkerHandle) -> WorkerDriver:
@@ -209,3 +216,74 @@ def test_an_unhealthy_worker_restarted_is_healthy():
         h.liveness.stop()
 
     asyncio.run(run())
+
+
+async def serve_until(h: Harness, worker_id: str, poison: str) -> None:
+    """Serve `worker_id` until a plan schedules `poison`, then hang (answer nothing more)."""
+    worker, done = FakeWorker(), 0
+    while True:
+        plans = h.plans(worker_id)
+        for plan in plans[done:]:
+            if poison in plan.num_scheduled_tokens:
+                return
+            output = worker.execute(plan)
+            output.worker_id = worker_id
+            h.liveness.on_result(output)
+        done = len(plans)
+        await asyncio.sleep(0.005)
+
+
+def test_a_request_in_the_steps_of_two_stalled_workers_fails_and_the_others_move():
+    """ "p" hangs every worker that runs it. w0 stalls with it: it moves to w1, where it hangs
+    "b" too. At its second stall "p" fails; "b" (one stall) moves on to w2."""
+
+    async def run() -> Harness:
+        h = Harness(step_timeout_s=0.1)
+        h.liveness.adopt(make_hello("w0"))
+        h.place("p", [])  # w0 never answers
+        h.liveness.adopt(make_hello("w1"))
+        w1 = asyncio.create_task(serve_until(h, "w1", "p"))
+        h.place("b", [])  # w1: w0 holds "p"
+        assert h.placement.worker_of["b"].worker_id == "w1"
+        await asyncio.sleep(0.15)  # w0 stalled: "p" joins "b" on w1, which hangs
+        assert h.placement.worker_of["p"].worker_id == "w1" and h.failed == []
+        await asyncio.sleep(0.15)
+        assert [req_id for req_id, _ in h.failed] == ["p"]
+        assert "p" not in h.placement and [r.req_id for r in h.placement.unplaced] == ["b"]
+        h.liveness.adopt(make_hello("w2"))
+        assert h.pool.workers["w2"].core.requests["b"].num_failures == 1
+        w2 = asyncio.create_task(h.serve("w2"))
+        await asyncio.sleep(0.05)
+        w1.cancel()
+        w2.cancel()
+        h.liveness.stop()
+        return h
+
+    h = asyncio.run(run())
+    assert "stalled or failed" in h.failed[0][1]
+    assert any(n.req_id == "b" for plan in h.plans("w2") for n in plan.new_reqs)
+    assert all(n.req_id != "p" for plan in h.plans("w2") for n in plan.new_reqs)
+
+
+def test_lost_workers_count_only_for_the_requests_of_their_steps_in_flight():
+    """A new instance (a failed step) and silence both count for the requests in flight; a
+    goodbye and a waiting request count nothing."""
+
+    async def run() -> Harness:
+        h = Harness(max_request_failures=2)
+        h.liveness.adopt(make_hello("w0"))
+        h.place("a", [])
+        await asyncio.sleep(0.01)  # "a" in the step in flight; no result comes
+        h.liveness.adopt(make_hello("w0", instance_id="i1"))  # its step failed
+        assert h.pool.workers["w0"].core.requests["a"].num_failures == 1
+        h.liveness.leave(WorkerGoodbye(worker_id="w0", instance_id="i1"))  # not a failure
+        assert [r.num_failures for r in h.placement.unplaced] == [1]
+        h.liveness.adopt(make_hello("w0", instance_id="i2"))
+        await asyncio.sleep(0.01)  # in flight again
+        h.pool.workers["w0"].last_seen -= 10
+        h.liveness.expire(timeout_s=5)  # lost: the second failure
+        h.liveness.stop()
+        return h
+
+    h = asyncio.run(run())
+    assert [req_id for req_id, _ in h.failed] == ["a"] and h.placement.num_requests == 0

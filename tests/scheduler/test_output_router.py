@@ -35,3 +35,16 @@ def test_one_batch_per_gateway_and_finished_requests_are_forgotten():
     ]
     assert gw2.deltas[0].stop_token_id == 2
     assert router.gateway_of == {"a": "gw1"}
+
+
+def test_a_failed_request_ends_with_an_error_delta_and_is_forgotten():
+    publisher = FakePublisher()
+    router = OutputRouter(publisher, Subjects("p"))
+    router.add("a", "gw1")
+    asyncio.run(router.fail("a", "it hangs workers"))
+    asyncio.run(router.fail("a", "again"))  # forgotten: nothing more is sent
+    [(subject, batch)] = publisher.sent
+    assert subject == "p.out.gw1" and isinstance(batch, OutputBatch)
+    [delta] = batch.deltas
+    assert (delta.req_id, delta.finish_reason, delta.error) == ("a", "error", "it hangs workers")
+    assert router.gateway_of == {}
