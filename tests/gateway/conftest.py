@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from shared.default_model import default_model_dir
 from shared.tokenizer import Tokenizer
 from tests.gateway.fakes import FakeEngine, make_client
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(default_model_dir())
+def tokenizer(smollm2_dir: Path) -> Tokenizer:
+    return Tokenizer(smollm2_dir)
 
 
 @pytest.fixture

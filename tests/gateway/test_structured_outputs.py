@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from shared.default_model import default_model_dir
 from shared.structured_outputs import StructuredOutputsParams
 from shared.tokenizer import Tokenizer
 from tests.gateway.fakes import CHAT, MSG, C, FakeEngine, make_client, sse_events
@@ -324,8 +323,8 @@ async def test_bad_tools_are_a_400(engine, tokenizer, body, param, message):
 
 
 @pytest.mark.anyio
-async def test_tools_and_past_calls_reach_the_chat_template(engine):
-    tokenizer = Tokenizer(default_model_dir())
+async def test_tools_and_past_calls_reach_the_chat_template(engine, smollm2_dir):
+    tokenizer = Tokenizer(smollm2_dir)  # its own: the chat template is replaced
     tokenizer.chat_template = (
         "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
         "{% for m in messages %}{{ m.role }}:{{ m.content }}"
@@ -357,8 +356,8 @@ async def test_tools_and_past_calls_reach_the_chat_template(engine):
 
 
 @pytest.mark.anyio
-async def test_tokenize_chat_with_tools(engine):
-    tokenizer = Tokenizer(default_model_dir())
+async def test_tokenize_chat_with_tools(engine, smollm2_dir):
+    tokenizer = Tokenizer(smollm2_dir)  # its own: the chat template is replaced
     tokenizer.chat_template = "{% for t in tools %}{{ t.function.name }};{% endfor %}"
     body = {"messages": MSG, "tools": [WEATHER, TIME], "return_token_strs": True}
     r = await _post(engine, tokenizer, "/tokenize", body)
