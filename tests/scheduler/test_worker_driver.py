@@ -245,8 +245,8 @@ def test_a_step_stalls_one_deadline_after_its_last_progress():
         plan = await h.next_plan(1)
         for progress in range(1, 5):
             await asyncio.sleep(0.05)
+            last_progress = time.monotonic()
             h.heartbeat(plan.step_id, progress)
-        last_progress = time.monotonic()
         for _ in range(8):
             await asyncio.sleep(0.05)
             h.heartbeat(plan.step_id, 4)  # no news
@@ -256,7 +256,7 @@ def test_a_step_stalls_one_deadline_after_its_last_progress():
 
     h, last_progress = asyncio.run(run())
     assert h.stalled == [h.worker] and h.outputs == []
-    assert 0.2 <= h.stalled_at[0] - last_progress < 0.27
+    assert 0.2 <= h.stalled_at[0] - last_progress < 0.3
 
 
 def test_a_step_without_progress_stalls_at_its_deadline():
@@ -276,4 +276,4 @@ def test_a_step_without_progress_stalls_at_its_deadline():
 
     h, published = asyncio.run(run())
     assert h.stalled == [h.worker]
-    assert 0.15 <= h.stalled_at[0] - published < 0.22
+    assert 0.14 <= h.stalled_at[0] - published < 0.25  # seen up to a poll (1 ms) after sent
