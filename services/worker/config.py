@@ -90,18 +90,19 @@ class RunnerConfig:
 class WorkerHttpConfig:
     """The worker's HTTP endpoint: /health (liveness: its event loop responds and no step is
     wedged), /ready (weights loaded and adopted by a scheduler) and /metrics. A step is wedged
-    once it has run longer than execute_model_timeout and than execute_model_timeout_factor
-    times the moving average of recent steps."""
+    once it has made no progress (no decoder layer finished) for longer than
+    execute_model_timeout and than execute_model_timeout_factor times the moving average of
+    recent steps."""
 
     http_host: str = setting("127.0.0.1", "address of the /health, /ready and /metrics server")
     http_port: int = setting(0, "serve /health, /ready and /metrics on this port (0: off)")
     # vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS is 300 too; the first steps' Triton compiles
     # take seconds, not minutes (weights and CUDA graphs load before /health turns 200).
     execute_model_timeout: float = setting(
-        300.0, "a step running longer than this (and than the factor below allows) fails /health"
+        300.0, "a step without progress for longer than this (and the factor below) fails /health"
     )
     execute_model_timeout_factor: float = setting(
-        20.0, "a step must also run this many times the recent mean step time to fail /health"
+        20.0, "a step must also stall this many times the recent mean step time to fail /health"
     )
 
     def __post_init__(self) -> None:

@@ -10,14 +10,17 @@ from shared.http_probes import Check
 
 
 class StepWatch:
-    """Tells a wedged step: one running longer than `timeout_s` and than `factor` times the
-    moving average of recent steps (`alpha`: the newest step's weight). `begin` and `end`
-    are called from the event loop, `check` from the probe server's thread."""
+    """Tells a wedged step: one that made no progress (decoder layers run, as the runner
+    counts them) for longer than `timeout_s` and than `factor` times the moving average of
+    recent steps (`alpha`: the newest step's weight), so a long prefill that keeps running
+    layers is never wedged. `begin` and `end` are called from the event loop, `check` from
+    the probe server's thread."""
 
     def __init__(self, timeout_s: float, factor: float, alpha: float = 0.1) -> None:
         self.timeout_s, self.factor, self.alpha = timeout_s, factor, alpha
         self.mean_s: float | None = None  # None before the first step with tokens
         self._started: float | None = None  # time.monotonic() of the running step
+        self._progress = (0, 0.0)  # the runner's progress counter when last seen to change
 
     def begin(self) -> None:
         self._started = time.monotonic()
@@ -30,15 +33,20 @@ class StepWatch:
             mean = self.mean_s
             self.mean_s = seconds if mean is None else mean + self.alpha * (seconds - mean)
 
-    def check(self) -> str | None:
+    def check(self, progress: int = 0) -> str | None:
+        """Why the running step is wedged (None: it is not); `progress` is the runner's
+        counter now."""
         started = self._started  # read once: the loop may end the step meanwhile
+        now = time.monotonic()
+        if progress != self._progress[0]:
+            self._progress = (progress, now)
         if started is None:
             return None
-        running = time.monotonic() - started
+        stalled = now - max(started, self._progress[1])
         limit = max(self.timeout_s, self.factor * (self.mean_s or 0.0))
-        if running <= limit:
+        if stalled <= limit:
             return None
-        return f"a step has run for {running:.0f} s (wedged after {limit:.0f} s)"
+        return f"a step has made no progress for {stalled:.0f} s (wedged after {limit:.0f} s)"
 
 
 class Probed(Protocol):

@@ -157,7 +157,7 @@ class WorkerService:
 
     def live(self) -> str | None:
         """Why /health fails (None: it passes): a wedged step."""
-        return self.watch.check()
+        return self.watch.check(self.runner.progress)
 
     def ready(self) -> str | None:
         """Why /ready fails (None: it passes)."""

@@ -152,3 +152,13 @@ def test_ready_once_adopted_and_a_goodbye_on_leaving(model_dir, nats_url):
         await nc.drain()
 
     asyncio.run(run())
+
+
+def test_a_long_step_that_makes_progress_is_not_wedged():
+    watch = StepWatch(timeout_s=0.05, factor=1)
+    watch.begin()
+    for layers_done in range(1, 6):  # 0.15 s in all, a layer every 0.03 s
+        time.sleep(0.03)
+        assert watch.check(progress=layers_done) is None
+    time.sleep(0.08)  # then no layer for longer than the floor
+    assert "no progress" in (watch.check(progress=5) or "")
