@@ -13,6 +13,12 @@ SIZE_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 class SchedulerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        self._add_vllm_metrics(model_name)
+        self._add_liveness_metrics()
+        self._add_step_metrics()
+
+    def _add_vllm_metrics(self, model_name: str) -> None:
+        """vLLM's metrics, under its names and label."""
         r, labels = self.registry, ["model_name"]
         self.running = Gauge(
             "vllm:num_requests_running", "Requests in model execution batches.", labels, registry=r
@@ -38,6 +44,10 @@ class SchedulerMetrics:
             labels,
             registry=r,
         ).labels(model_name)
+
+    def _add_liveness_metrics(self) -> None:
+        """Workers, gateways and the requests their failures move or end."""
+        r = self.registry
         self.workers_ready = Gauge(
             "skiff_workers_ready", "Healthy workers sending heartbeats.", registry=r
         )
@@ -68,6 +78,10 @@ class SchedulerMetrics:
             "Requests aborted because their gateway stopped sending heartbeats.",
             registry=r,
         )
+
+    def _add_step_metrics(self) -> None:
+        """Per worker step: round trip, execute and idle time, plans, NATS."""
+        r = self.registry
         self.step_seconds = Histogram(
             "skiff_step_round_trip_seconds",
             "Plan published to result received, per worker step.",

@@ -133,13 +133,44 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------
 
     def schedule(self) -> BatchPlan:
-        budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: list[Request] = []
         self._long_prefill_s = None
+        budget = self._schedule_running(
+            self.config.max_num_batched_tokens, num_scheduled, cached_reqs, preempted
+        )
+        if not preempted:
+            budget = self._admit_waiting(budget, num_scheduled, new_reqs, cached_reqs)
 
+        plan = BatchPlan(
+            step_id=self.step_id,
+            new_reqs=new_reqs,
+            cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=[r.req_id for r in preempted],
+        )
+        self.finished_req_ids = []
+        self.pacer.record(
+            plan.step_id,
+            {req_id: n for req_id, n in num_scheduled.items() if n > 1},
+            sum(1 for n in num_scheduled.values() if n == 1),
+        )
+        self.step_id += 1
+        return plan
+
+    def _schedule_running(
+        self,
+        budget: int,
+        num_scheduled: dict[str, int],
+        cached_reqs: list[CachedRequestData],
+        preempted: list[Request],
+    ) -> int:
+        """Give the running requests their tokens, in order, preempting when blocks run out;
+        returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -173,27 +204,7 @@ class Scheduler:
             self._advance(request, num_new)
             budget -= num_new
             i += 1
-
-        if not preempted:
-            budget = self._admit_waiting(budget, num_scheduled, new_reqs, cached_reqs)
-
-        plan = BatchPlan(
-            step_id=self.step_id,
-            new_reqs=new_reqs,
-            cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=[r.req_id for r in preempted],
-        )
-        self.finished_req_ids = []
-        self.pacer.record(
-            plan.step_id,
-            {req_id: n for req_id, n in num_scheduled.items() if n > 1},
-            sum(1 for n in num_scheduled.values() if n == 1),
-        )
-        self.step_id += 1
-        return plan
+        return budget
 
     def _pace(self, request: Request, num_new: int, num_scheduled: dict[str, int]) -> int:
         """`num_new` tokens of a request, a long prefill's cut to the seconds this step has

@@ -29,6 +29,12 @@ class WorkerMetrics:
         self.model_name = model_name
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_start_time_seconds
+        self._add_step_metrics()
+        self._add_device_metrics()
+
+    def _add_step_metrics(self) -> None:
+        """Per step: time, phases, tokens, requests and how the forward pass ran."""
+        r = self.registry
         self.step_seconds = Histogram(
             "skiff_worker_step_seconds",
             "Time of one step on the worker (inputs, forward, sampling), steps with tokens.",
@@ -64,6 +70,10 @@ class WorkerMetrics:
             [*WID, "mode"],
             registry=r,
         )
+
+    def _add_device_metrics(self) -> None:
+        """The device, the model's load and the worker's links."""
+        r = self.registry
         self.kv_blocks = Gauge(
             "skiff_worker_kv_cache_blocks",
             "KV cache blocks on the device: used by the worker's requests, or free.",
