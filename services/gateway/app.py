@@ -1,6 +1,6 @@
 """The gateway's FastAPI app: OpenAI-compatible endpoints over an `EngineClient`.
 
-    app = create_app(engine_client, tokenizer, "SmolLM2-135M-Instruct", max_model_len=2048)
+    app = create_app(engine_client, tokenizer, GatewayConfig(max_model_len=2048))
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
 POST /detokenize, GET /health (503 until the engine is ready or while draining), GET /version,
@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from services.gateway import chat, completions, tokenization
-from services.gateway.config import DEFAULT_MAX_BODY_BYTES, GatewayConfig
+from services.gateway.config import GatewayConfig
 from services.gateway.context import GatewayContext
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import error_response, install_error_handlers
@@ -39,36 +39,24 @@ def _version() -> str:
         return "0.1.0"
 
 
-def create_app(
-    engine_client: EngineClient,
-    tokenizer: Tokenizer,
-    served_model_name: str,
-    max_model_len: int | None,
-    api_key: str | None = None,
-    *,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    body_timeout: float = GatewayConfig.body_timeout,
-    tokenizer_concurrency: int = GatewayConfig.tokenizer_concurrency,
-    keepalive_interval: float = 0.0,
-    model_root: str | None = None,
-    tool_call_parser: str | None = None,
-) -> FastAPI:
-    """Build the app. `max_model_len=None` takes the context length from the scheduler's
-    heartbeat. `keepalive_interval` > 0 sends an SSE comment on streams that wait that long for
-    tokens. `tool_call_parser` names the model's tool-call format (None: from its template).
-    The shared state is `app.state.gateway` (a `GatewayContext`); set its `draining` to make
-    /health fail and new requests get 503 during shutdown."""
+def create_app(engine_client: EngineClient, tokenizer: Tokenizer, config: GatewayConfig) -> FastAPI:
+    """Build the app of a gateway configured by `config`. `config.max_model_len=None` takes
+    the context length from the scheduler's heartbeat; `keepalive_interval` > 0 sends an SSE
+    comment on streams that wait that long for tokens. The shared state is
+    `app.state.gateway` (a `GatewayContext`); set its `draining` to make /health fail and new
+    requests get 503 during shutdown."""
+    served_model_name = config.resolved_model_name
     metrics = GatewayMetrics(served_model_name, engine_client)
     ctx = GatewayContext(
         engine_client,
         tokenizer,
         served_model_name,
         metrics,
-        configured_max_model_len=max_model_len,
-        model_root=model_root,
-        tokenizer_concurrency=tokenizer_concurrency,
-        keepalive_interval=keepalive_interval,
-        tool_call_parser=tool_call_parser,
+        configured_max_model_len=config.max_model_len,
+        model_root=str(config.resolved_model_dir),
+        tokenizer_concurrency=config.tokenizer_concurrency,
+        keepalive_interval=config.keepalive_interval,
+        tool_call_parser=config.tool_call_parser,
     )
     app = FastAPI(
         title="skiff gateway",
@@ -81,10 +69,12 @@ def create_app(
         app.include_router(module.router(ctx))
     app.include_router(_service_router(ctx))
     app.add_middleware(
-        BodyLimitMiddleware, max_body_bytes=max_body_bytes, body_timeout=body_timeout
+        BodyLimitMiddleware,
+        max_body_bytes=config.max_body_bytes,
+        body_timeout=config.body_timeout,
     )
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     if tracing.tracer is not None:
         app.add_middleware(TracingMiddleware)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)  # outermost

@@ -126,19 +126,7 @@ async def serve(config: GatewayConfig) -> None:
     tokenizer = Tokenizer(model_dir)
     engine = NatsEngineClient(config)
     await engine.start()
-    app = create_app(
-        engine,
-        tokenizer,
-        config.resolved_model_name,
-        config.max_model_len,
-        config.api_key,
-        max_body_bytes=config.max_body_bytes,
-        body_timeout=config.body_timeout,
-        tokenizer_concurrency=config.tokenizer_concurrency,
-        keepalive_interval=config.keepalive_interval,
-        model_root=str(model_dir),
-        tool_call_parser=config.tool_call_parser,
-    )
+    app = create_app(engine, tokenizer, config)
     server = _DrainingServer(
         uvicorn.Config(
             app,

@@ -184,8 +184,9 @@ def route_status(service: str, path: str) -> int:
         from starlette.testclient import TestClient
 
         from services.gateway.app import create_app
+        from services.gateway.config import GatewayConfig
 
-        app = create_app(_ReadyEngine(), _OneTokenTokenizer(), "m", 2048)
+        app = create_app(_ReadyEngine(), _OneTokenTokenizer(), GatewayConfig(max_model_len=2048))
         return TestClient(app).get(path).status_code
     probes = ROOT / "shared" / "http_probes.py"
     assert probes in project_modules(f"services.{service}.main"), f"{service} serves no probes"

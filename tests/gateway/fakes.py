@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from services.gateway.app import create_app
+from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EngineError, RequestStream
 from shared.default_model import DEFAULT_MODEL_NAME
 from shared.tokenizer import Tokenizer
@@ -93,8 +94,14 @@ def _prompt_logprobs(request: SubmitRequest, num_top: int) -> list[TokenLogprobs
     return [None] + [_logprobs(t, num_top) for t in request.prompt_token_ids[1:]]
 
 
+def gateway_config(**overrides: Any) -> GatewayConfig:
+    """The tests' gateway: MODEL with MAX_MODEL_LEN tokens, no SSE keep-alive comments."""
+    fields = {"served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN, "keepalive_interval": 0.0}
+    return GatewayConfig(**{**fields, **overrides})
+
+
 def make_client(engine: FakeEngine, tokenizer: Tokenizer, **kwargs: Any) -> httpx.AsyncClient:
-    app = create_app(engine, tokenizer, MODEL, MAX_MODEL_LEN, **kwargs)
+    app = create_app(engine, tokenizer, gateway_config(**kwargs))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from services.gateway.app import create_app
-from tests.gateway.fakes import CHAT, MAX_MODEL_LEN, MODEL, MSG, C, FakeEngine
+from tests.gateway.fakes import CHAT, MSG, C, FakeEngine, gateway_config
 
 # ---- client disconnects --------------------------------------------------------------------
 
@@ -54,7 +54,7 @@ async def _call_and_disconnect(app, path: str, body: dict, after: Callable[[list
 @pytest.mark.anyio
 async def test_stream_disconnect_aborts(tokenizer):
     engine = FakeEngine(tokenizer, text="one two three four five six seven eight", delay=0.02)
-    app = create_app(engine, tokenizer, MODEL, MAX_MODEL_LEN)
+    app = create_app(engine, tokenizer, gateway_config())
     body = {"prompt": "x", "stream": True, "n": 2, "max_tokens": 100}
     task, _, sent = await _call_and_disconnect(app, C, body, lambda s: len(s) >= 3)
     await asyncio.wait_for(task, 5)
@@ -67,7 +67,7 @@ async def test_stream_disconnect_aborts(tokenizer):
 @pytest.mark.anyio
 async def test_non_stream_disconnect_aborts(tokenizer):
     engine = FakeEngine(tokenizer, delay=0.05)
-    app = create_app(engine, tokenizer, MODEL, MAX_MODEL_LEN)
+    app = create_app(engine, tokenizer, gateway_config())
     task, disconnect, _ = await _call_and_disconnect(
         app, CHAT, {"messages": MSG, "max_tokens": 100}, lambda s: False
     )

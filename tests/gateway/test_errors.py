@@ -7,7 +7,7 @@ import pytest
 
 from services.gateway.app import create_app
 from services.gateway.engine_client import EngineError
-from tests.gateway.fakes import CHAT, MAX_MODEL_LEN, MODEL, MSG, C, make_client
+from tests.gateway.fakes import CHAT, MSG, C, gateway_config, make_client
 
 # ---- errors --------------------------------------------------------------------------------
 
@@ -120,7 +120,7 @@ async def test_routing_size_and_engine_errors(engine, tokenizer):
 @pytest.mark.anyio
 async def test_unknown_context_length_is_503(engine, tokenizer):
     engine.max_model_len = None
-    app = create_app(engine, tokenizer, MODEL, None)
+    app = create_app(engine, tokenizer, gateway_config(max_model_len=None))
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://test"
     ) as client:
@@ -133,7 +133,7 @@ async def test_unknown_context_length_is_503(engine, tokenizer):
 
 @pytest.mark.anyio
 async def test_draining_refuses_new_work(engine, tokenizer):
-    app = create_app(engine, tokenizer, MODEL, MAX_MODEL_LEN)
+    app = create_app(engine, tokenizer, gateway_config())
     app.state.gateway.draining = True
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://test"

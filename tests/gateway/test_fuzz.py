@@ -8,13 +8,13 @@ from schemathesis.checks import not_a_server_error
 
 from services.gateway.app import create_app
 from shared.tokenizer import Tokenizer
-from tests.gateway.fakes import MAX_MODEL_LEN, MODEL, FakeEngine
+from tests.gateway.fakes import FakeEngine, gateway_config
 
 # ---- OpenAPI schema and fuzzing ------------------------------------------------------------
 
 
 def _fuzz_app(tokenizer: Tokenizer):
-    return create_app(FakeEngine(tokenizer), tokenizer, MODEL, MAX_MODEL_LEN)
+    return create_app(FakeEngine(tokenizer), tokenizer, gateway_config())
 
 
 def test_openapi_schema_is_valid(tokenizer):
