@@ -20,7 +20,9 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -28,11 +30,15 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from kernels import cpu_ops  # noqa: E402
+from shared.arith import cdiv  # noqa: E402
+
+if TYPE_CHECKING:
+    from services.offline import LLM
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
-def best_of(repeats: int, fn) -> float:
+def best_of(repeats: int, fn: Callable[[], object]) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -44,7 +50,7 @@ def best_of(repeats: int, fn) -> float:
 def op_times(length: int, repeats: int) -> tuple[float, float]:
     """Seconds of the op (per-token, tiled) on one `length`-token prompt."""
     gen = torch.Generator().manual_seed(0)
-    num_blocks = -(-length // BLOCK_SIZE)
+    num_blocks = cdiv(length, BLOCK_SIZE)
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
     slots = cache.flatten(1, 2)  # [2, num_slots, kv_heads, head_dim]
     query = torch.randn(length, HEADS, HEAD_DIM, generator=gen)
@@ -52,9 +58,10 @@ def op_times(length: int, repeats: int) -> tuple[float, float]:
     scale = HEAD_DIM**-0.5
 
     def run(qsl: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        return torch.ops.skiff_cpu.paged_attention(
+        out: torch.Tensor = torch.ops.skiff_cpu.paged_attention(
             query, slots[0], slots[1], qsl, seq_lens, tables, scale, BLOCK_SIZE
         )
+        return out
 
     tiled = (
         torch.tensor([0, length], dtype=torch.int32),
@@ -70,7 +77,7 @@ def op_times(length: int, repeats: int) -> tuple[float, float]:
     return best_of(repeats, lambda: run(*per_token)), best_of(repeats, lambda: run(*tiled))
 
 
-def generate_rate(llm, length: int, repeats: int) -> float:
+def generate_rate(llm: LLM, length: int, repeats: int) -> float:
     """Prompt tok/s of one `length`-token prompt and one output token."""
     from services.offline import SamplingParams
 
