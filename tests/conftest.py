@@ -9,7 +9,7 @@ Every test is `unit` or `e2e`, unless it says which itself:
 - `unit`: everything else. A unit test starts no service; it may run a command-line tool to
   completion on local files (`helm template`, `promtool`, `hadolint`, the Triton compiler, a
   `python -c` import check), and reads no model weights (tiny random models; the embedded
-  model's tokenizer through `smollm2_dir`). `make test-unit` runs `pytest -m unit`.
+  model's tokenizer through `smollm2_dir`). `make test-unit` runs `pytest -m unit -n auto`.
 No test needs CUDA: on a machine without it the Triton kernel tests run under the interpreter.
 """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -14,8 +15,15 @@ from shared.default_model import default_gguf_path, default_model_dir, is_prepar
 def ensure_default_model(progress: bool = True) -> Path:
     """Return the default model directory, converting the GGUF file on first use."""
     model_dir = default_model_dir()
-    if not is_prepared(model_dir):
-        convert_gguf(default_gguf_path(), model_dir, progress=progress)
+    if is_prepared(model_dir):
+        return model_dir
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Processes starting together (workers of one `skiff serve`, parallel test workers)
+    # convert once: the others wait here and find the model prepared.
+    with open(model_dir.parent / f".{model_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_prepared(model_dir):
+            convert_gguf(default_gguf_path(), model_dir, progress=progress)
     return model_dir
 
 
