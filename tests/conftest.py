@@ -166,12 +166,18 @@ def launch_stack(smollm2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def stack(launch_stack):
-    """The stack most end-to-end tests share, started once per session; its scheduler and
-    worker serve /metrics (tests/observability scrapes them with a real Prometheus)."""
+    """The stack most end-to-end tests share, started once per session, with the scheduler's
+    defaults as `make serve` has them (the model's whole 8,192-token context); its scheduler
+    and worker serve /metrics (tests/observability scrapes them with a real Prometheus)."""
     from services.launcher import free_port
+    from shared.config import SchedulerConfig
 
     s = launch_stack(
-        "stack", kv_cache_gib=0.5, scheduler_metrics_port=free_port(), worker_http_port=free_port()
+        "stack",
+        kv_cache_gib=0.5,
+        scheduler=SchedulerConfig(),
+        scheduler_metrics_port=free_port(),
+        worker_http_port=free_port(),
     )
     yield s
     s.stop()

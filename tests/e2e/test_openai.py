@@ -222,7 +222,7 @@ def test_client_disconnect_aborts_and_frees_blocks(stack):
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": [[1, 2, 10**9]]}, 400, "prompt"),
         ({"model": "no-such-model", "prompt": "x"}, 404, "model"),
-        ({"model": MODEL, "prompt": "hello " * 3000}, 400, None),
+        ({"model": MODEL, "prompt": "hello " * 9000}, 400, None),
     ],
 )
 def test_bad_inputs_get_openai_errors(stack, body, status, param):
