@@ -49,10 +49,20 @@ class RequestOutput:
 
 
 class Scheduler:
+    """`timed_steps`: the worker reports each step's time (a served worker does; the offline
+    engine does not), so a long prefill's first chunk, before any step was timed, is cut to the
+    long-prefill threshold instead of taking the whole budget."""
+
     def __init__(
-        self, config: SchedulerConfig, num_blocks: int, eos_token_ids: tuple[int, ...] = ()
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        eos_token_ids: tuple[int, ...] = (),
+        *,
+        timed_steps: bool = False,
     ) -> None:
         self.config = config
+        self.timed_steps = timed_steps
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -218,6 +228,11 @@ class Scheduler:
             )
             self._long_prefill_s = self.pacer.step_budget(decoding)
         rate = self.pacer.rate(request.req_id)
+        if rate <= 0.0 and self.timed_steps and self.pacer.enabled:
+            # no prefill of this worker timed yet: one chunk of the threshold, to be measured
+            num_new = min(num_new, self.long_prefill_threshold) if self._long_prefill_s else 0
+            self._long_prefill_s = 0.0
+            return num_new
         num_new = self.pacer.chunk(num_new, rate, self._long_prefill_s)
         self._long_prefill_s -= num_new * rate
         return num_new

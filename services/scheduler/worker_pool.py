@@ -64,7 +64,7 @@ class WorkerPool:
             max_model_len=min(self.config.max_model_len, hello.max_model_len),
             block_size=hello.block_size,
         )
-        core = Scheduler(config, hello.num_blocks, tuple(hello.eos_token_ids))
+        core = Scheduler(config, hello.num_blocks, tuple(hello.eos_token_ids), timed_steps=True)
         if old is not None:  # step ids keep rising, so a late result of the old core is ignored
             core.step_id = old.core.step_id + 1
         handle = WorkerHandle(hello, core)

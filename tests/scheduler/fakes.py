@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
+from shared.config import SchedulerConfig
 from shared.wire import BatchPlan, ModelRunnerOutput, WorkerHello, encode
 
 
@@ -94,3 +97,9 @@ class FakeWorker:
             return self.eos
         token = value % self.vocab_size
         return token if token != self.eos else token + 1
+
+
+def unpaced_config(**overrides: Any) -> SchedulerConfig:
+    """A scheduler config without long-prefill pacing: a served worker's core would cut a long
+    prompt's first chunk to the threshold, which tests of placement and load do not measure."""
+    return SchedulerConfig(long_prefill_step_time=0.0, long_prefill_share=1.0, **overrides)

@@ -88,6 +88,26 @@ def test_long_prompt_alone_is_cut_to_the_step_time():
     assert chunks[-2] < chunks[2]  # the context grows, so do the tokens' costs
 
 
+def test_a_fresh_workers_first_long_chunk_is_cut_to_the_threshold():
+    """A served worker reports step times: before its first prefill step was timed, a long
+    prompt gets one threshold-sized chunk (not the whole budget), then chunks by measurement,
+    so a short request right behind it on a fresh worker does not wait for a full-budget
+    chunk."""
+    config = SchedulerConfig(
+        max_num_batched_tokens=2048, max_model_len=8192, long_prefill_token_threshold=200
+    )
+    sched, worker = Scheduler(config, 1024, (EOS,), timed_steps=True), TimedWorker(2e-3)
+    sched.add_request(req("long", 6000, max_tokens=1))
+    sched.add_request(req("short", 3, max_tokens=2, start=700))
+    first = step(sched, worker).num_scheduled_tokens
+    assert first == {"long": 200, "short": 3}
+    assert step(sched, worker).num_scheduled_tokens == {"short": 1}  # a decode-only step
+    assert 0 < step(sched, worker).num_scheduled_tokens["long"] < 2048  # sized by measurement
+    untimed = Scheduler(config, 1024, (EOS,))  # the offline engine: nothing to measure by
+    untimed.add_request(req("long", 6000, max_tokens=1))
+    assert untimed.schedule().num_scheduled_tokens == {"long": 2048}
+
+
 def test_running_decode_is_scheduled_every_step_and_the_long_prefill_gets_its_share():
     sched, worker = make_scheduler(budget=512), TimedWorker(token_s=2e-3)
     sched.add_request(req("d", 4, max_tokens=60))

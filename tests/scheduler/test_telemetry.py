@@ -7,14 +7,13 @@ from services.scheduler.placement import Placement
 from services.scheduler.request import Request
 from services.scheduler.telemetry import Telemetry
 from services.scheduler.worker_pool import WorkerPool
-from shared.config import SchedulerConfig
 from shared.sampling_params import SamplingParams
 from shared.wire import SchedulerStats, decoder, encode
-from tests.scheduler.fakes import make_hello
+from tests.scheduler.fakes import make_hello, unpaced_config
 
 
 def make_telemetry() -> Telemetry:
-    pool = WorkerPool(SchedulerConfig())
+    pool = WorkerPool(unpaced_config())
     placement = Placement(pool, wake=lambda _: None)
     return Telemetry("e", pool, placement, SchedulerMetrics("m"))
 

@@ -7,7 +7,7 @@ from services.scheduler.worker_pool import WorkerPool
 from shared.config import SchedulerConfig
 from shared.sampling_params import SamplingParams
 from shared.wire import ModelRunnerOutput
-from tests.scheduler.fakes import make_hello
+from tests.scheduler.fakes import make_hello, unpaced_config
 
 
 def request(req_id: str, token_ids: list[int], max_tokens: int = 8) -> Request:
@@ -35,7 +35,7 @@ def test_core_takes_the_worker_block_size_and_smaller_max_model_len():
 
 
 def test_placement_counts_each_worker_in_its_own_blocks():
-    pool = WorkerPool(SchedulerConfig())
+    pool = WorkerPool(unpaced_config())
     pool.register(make_hello("w16", block_size=16))
     w32, _ = pool.register(make_hello("w32", block_size=32))
     prefix = list(range(100, 165))  # 65 tokens: two full blocks of 32, four of 16
@@ -63,7 +63,7 @@ def test_placement_prefers_the_less_loaded_worker():
 
 
 def test_load_of_workers_with_different_block_sizes_compares_in_tokens():
-    pool = WorkerPool(SchedulerConfig())
+    pool = WorkerPool(unpaced_config())
     w16, _ = pool.register(make_hello("w16", block_size=16))
     w32, _ = pool.register(make_hello("w32", block_size=32))
     w16.core.add_request(request("a", list(range(60))))  # 4 blocks of 16: 64 tokens
