@@ -13,8 +13,9 @@ it the pacer keeps
 A step's long chunks then get at most `long_prefill_step_time` seconds in all and, while other
 requests decode, at most `long_prefill_share` of the step: `decode_s * share / (1 - share)`. If
 requests decode and no decode-only step was measured yet, long chunks sit out one step so that
-it is. Until a prefill step of the worker was timed (a fresh worker's first one or two chunks),
-and wherever steps report no time (the offline engine), nothing is cut.
+it is. Until a prefill step of the worker was timed the rate is unknown (the scheduler then
+cuts a long prompt's chunk to the long-prefill threshold, to measure it); wherever steps report
+no time (the offline engine) nothing is cut.
 """
 
 from __future__ import annotations
