@@ -16,6 +16,7 @@ import sys
 import tarfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,15 +272,21 @@ class LlamaServer:
 
 def single_stream(llama: LlamaCpp, threads: list[int], new_tokens: int = 64) -> dict[int, float]:
     """`llama-bench` tg<new_tokens> decode tokens/s at each thread count."""
-    cmd = bench_command(llama, threads, new_tokens)
+    return _run_bench(bench_command(llama, threads, new_tokens), parse_bench_json, 600)
+
+
+def _run_bench(
+    cmd: list[str], parse: Callable[[str], dict[int, float]], timeout: float
+) -> dict[int, float]:
+    """Run a `llama-bench` command and parse its JSON; any failure is LlamaCppUnavailable."""
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise LlamaCppUnavailable(f"llama-bench: {e}") from e
     if done.returncode != 0:
         raise LlamaCppUnavailable(f"llama-bench failed: {done.stderr.strip()[-500:]}")
     try:
-        return parse_bench_json(done.stdout)
+        return parse(done.stdout)
     except ValueError as e:
         raise LlamaCppUnavailable(str(e)) from e
 
@@ -323,17 +330,7 @@ def parse_prefill_json(text: str) -> dict[int, float]:
 
 def prefill(llama: LlamaCpp, threads: list[int], sizes: list[int]) -> dict[int, float]:
     """`llama-bench` pp<n> prefill tokens/s of each size, the best thread count's."""
-    cmd = prefill_command(llama, threads, sizes)
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise LlamaCppUnavailable(f"llama-bench: {e}") from e
-    if done.returncode != 0:
-        raise LlamaCppUnavailable(f"llama-bench failed: {done.stderr.strip()[-500:]}")
-    try:
-        return parse_prefill_json(done.stdout)
-    except ValueError as e:
-        raise LlamaCppUnavailable(str(e)) from e
+    return _run_bench(prefill_command(llama, threads, sizes), parse_prefill_json, 1800)
 
 
 SERVER_ATTEMPTS = 2
