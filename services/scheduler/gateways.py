@@ -1,7 +1,7 @@
-"""Which gateways are alive: each publishes a `GatewayHeartbeat` every second or so. A gateway
-heard from and then silent for the timeout has died or lost NATS, and with it the clients of its
-requests, so the scheduler aborts them. A gateway never heard from (one older than gateway
-heartbeats) is never judged silent."""
+"""Which gateways are alive: each publishes a `GatewayHeartbeat` every second or so, and each
+submission is a sign of life too (a gateway that dies before its first heartbeat reached us
+still has requests to abort). A gateway heard from and then silent for the timeout has died or
+lost NATS, and with it the clients of its requests, so the scheduler aborts them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ class GatewayLiveness:
         self.last_seen: dict[str, float] = {}  # gateway id -> time.monotonic()
 
     def on_heartbeat(self, beat: GatewayHeartbeat) -> None:
-        self.last_seen[beat.gateway_id] = time.monotonic()
+        self.heard(beat.gateway_id)
+
+    def heard(self, gateway_id: str) -> None:
+        """A heartbeat or a submission of `gateway_id` arrived."""
+        self.last_seen[gateway_id] = time.monotonic()
 
     def reset(self) -> None:
         """Count every known gateway as just heard from: after our own NATS blip their

@@ -144,6 +144,7 @@ class SchedulerService:
     # ---- gateway side ------------------------------------------------------------------
 
     async def _on_submit(self, sub: SubmitRequest) -> SubmitReply:
+        self.gateways.heard(sub.gateway_id)
         reply = self.admission.check(sub)
         if reply.accepted:
             self._accept(sub)

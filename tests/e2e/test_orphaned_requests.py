@@ -87,3 +87,34 @@ def test_a_dead_gateways_requests_are_aborted_and_a_new_gateway_serves(orphan_st
     assert got.choices[0].logprobs.tokens == tokenizer.token_strs(
         expected_tokens(info, 5, len(PROMPT), 12)
     )
+
+
+def test_a_gateway_that_never_sent_a_heartbeat_still_has_its_requests_aborted(orphan_stack):
+    """A gateway that dies before its first heartbeat reached the scheduler (here: a client
+    that submits on NATS and never beats): its submissions were its signs of life, so its
+    requests are aborted after the gateway timeout, not left to run to max_tokens."""
+    from shared import bus
+    from shared.sampling_params import SamplingParams
+    from shared.subjects import Subjects
+    from shared.wire import SubmitReply, SubmitRequest
+
+    stack = orphan_stack
+    aborted_before = scheduler_stats(stack)["num_orphans_aborted"]
+    params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+
+    async def submit() -> float:
+        nc = await bus.connect(stack.nats_url, "ghost-gateway", **stack.nats_options())
+        request = SubmitRequest(
+            req_id="ghost-1", gateway_id="ghost", prompt_token_ids=[1, 2, 3], sampling_params=params
+        )
+        reply = await bus.request(nc, Subjects().submit, request, SubmitReply, 5)
+        assert reply.accepted
+        await nc.close()
+        return time.monotonic()
+
+    submitted_at = asyncio.run(submit())
+    while scheduler_stats(stack)["num_orphans_aborted"] == aborted_before:
+        assert time.monotonic() - submitted_at < GATEWAY_TIMEOUT_S + 10
+        time.sleep(0.1)
+    assert time.monotonic() - submitted_at > GATEWAY_TIMEOUT_S - 1.5
+    assert scheduler_stats(stack)["num_orphans_aborted"] - aborted_before == 1

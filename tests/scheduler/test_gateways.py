@@ -1,5 +1,5 @@
-"""Gateway liveness: a gateway heard from and then silent is reported once; one never heard
-from never is."""
+"""Gateway liveness: a gateway heard from (a heartbeat or a submission) and then silent is
+reported once."""
 
 from __future__ import annotations
 
@@ -28,3 +28,10 @@ def test_after_our_own_blip_every_gateway_gets_a_fresh_timeout():
     gateways.reset()
     assert gateways.silent(timeout_s=5) == []
     assert time.monotonic() - gateways.last_seen["gw-a"] < 1
+
+
+def test_a_submission_counts_as_a_sign_of_life():
+    gateways = GatewayLiveness()
+    gateways.heard("gw-new")  # its first heartbeat never arrived
+    gateways.last_seen["gw-new"] -= 10
+    assert gateways.silent(timeout_s=5) == ["gw-new"]
