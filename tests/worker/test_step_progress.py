@@ -96,8 +96,12 @@ def heartbeats_during_a_long_step(nats_url: str, runner: SimRunner | ThreadedSim
         results: asyncio.Queue[ModelRunnerOutput] = asyncio.Queue()
         await bus.subscribe(nc, subjects.worker_heartbeat, WorkerHello, beats.put)
         await bus.subscribe(nc, subjects.result, ModelRunnerOutput, results.put)
+        hellos: asyncio.Queue[WorkerHello] = asyncio.Queue()
+        await bus.subscribe(nc, subjects.worker_hello, WorkerHello, hellos.put)
         await nc.flush()
         await service.start()
+        # its hello follows its subscriptions on its connection: the plan below reaches it
+        await asyncio.wait_for(hellos.get(), 10)
         step = plan(7, {"a": 3}, new_reqs=[new("a", 3, [0])], worker_session="s")
         await bus.publish(nc, subjects.plan("w-p"), step)
         await asyncio.wait_for(results.get(), 10)
