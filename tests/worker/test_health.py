@@ -4,7 +4,6 @@ goodbye; the service over a real nats-server with a simulated runner (no torch).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
@@ -23,6 +22,7 @@ from shared.wire import (
     WorkerGoodbye,
     WorkerHello,
 )
+from tests.worker.test_sim_runner import write_model_config
 
 
 def test_a_step_is_wedged_past_the_floor_and_the_factor_times_the_mean():
@@ -77,18 +77,7 @@ def test_http_config_is_checked():
 
 @pytest.fixture
 def model_dir(tmp_path):
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 50,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "eos_token_id": 1,
-        "max_position_embeddings": 256,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
+    return write_model_config(tmp_path, vocab_size=50)
 
 
 def test_ready_once_adopted_and_a_goodbye_on_leaving(model_dir, nats_url):

@@ -38,8 +38,8 @@ VOCAB, EOS = 50, (1, 3)
 BS = 4  # block size
 
 
-@pytest.fixture
-def model_dir(tmp_path):
+def write_model_config(path: Path, **overrides: object) -> Path:
+    """A small Llama config.json in `path`: all a simulated worker reads of its model."""
     config = {
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": VOCAB,
@@ -49,8 +49,15 @@ def model_dir(tmp_path):
         "num_attention_heads": 4,
         "eos_token_id": 1,
         "max_position_embeddings": 256,
+        **overrides,
     }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    write_model_config(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
     return tmp_path
 

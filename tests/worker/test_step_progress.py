@@ -5,7 +5,6 @@ count as it advances (what tells the scheduler a long step from a hung worker)."
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
@@ -19,7 +18,7 @@ from shared import bus
 from shared.subjects import Subjects
 from shared.wire import BatchPlan, ModelRunnerOutput, WorkerHello
 from tests.worker.test_cpu_decode import decode_meta
-from tests.worker.test_sim_runner import BS, new, plan
+from tests.worker.test_sim_runner import BS, new, plan, write_model_config
 
 STEP_S = 1.0
 BEAT_S = 0.1
@@ -28,18 +27,7 @@ LAYERS = 10  # one every 0.1 s of the step
 
 @pytest.fixture
 def model_dir(tmp_path):
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 50,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": 4,
-        "eos_token_id": 1,
-        "max_position_embeddings": 256,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
+    return write_model_config(tmp_path, vocab_size=50, num_hidden_layers=LAYERS)
 
 
 @torch.inference_mode()
