@@ -43,6 +43,9 @@ CRD_KINDS = {
     "PrometheusRule": "monitoring.coreos.com/v1",
     "HTTPRoute": "gateway.networking.k8s.io/v1",
 }
+# What `helm template` is told the cluster serves: the CRDs of the features the values enable
+# (the chart fails without them).
+CRD_API_VERSIONS = ",".join(f"{api}/{kind}" for kind, api in CRD_KINDS.items())
 RELEASE = "skiff"
 
 
@@ -79,7 +82,14 @@ def render(
 ) -> tuple[dict, ...]:
     """The objects `helm template` renders; `overrides` are --set-json arguments."""
     out = helm(
-        "template", release, "--namespace", "llm", *values_args(case, overrides), chart=chart
+        "template",
+        release,
+        "--namespace",
+        "llm",
+        "--api-versions",
+        CRD_API_VERSIONS,
+        *values_args(case, overrides),
+        chart=chart,
     )
     return tuple(d for d in yaml.safe_load_all(out) if d)
 

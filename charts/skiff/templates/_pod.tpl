@@ -38,7 +38,7 @@ priorityClassName: {{ . }}
 {{- end }}
 {{- with .v.topologySpreadConstraints }}
 topologySpreadConstraints:
-  {{- toYaml . | nindent 2 }}
+  {{- include "skiff.topologySpreadConstraints" (dict "ctx" $.ctx "constraints" .) | nindent 2 }}
 {{- end }}
 {{- end }}
 
