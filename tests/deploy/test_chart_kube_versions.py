@@ -14,16 +14,18 @@ from __future__ import annotations
 import functools
 import json
 import subprocess
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
-import kubernetes_validate
-import kubernetes_validate.utils
+import kubernetes_validate  # type: ignore[import-untyped]
+import kubernetes_validate.utils  # type: ignore[import-untyped]
 import pytest
-import yaml
+import yaml  # type: ignore[import-untyped]
 
 from tests.deploy.test_chart_render import (
     CASE_IDS,
     CASES,
-    CHART,
     CRD_API_VERSIONS,
     CRD_KINDS,
     HELM,
@@ -34,7 +36,9 @@ from tests.deploy.test_chart_render import (
     pod_spec,
     workloads,
 )
+from tests.deploy.test_deploy import CHART
 
+Doc = dict[str, Any]
 OLDEST = "1.20.2"
 NEWEST = "1.33.0"
 # What a current cluster declares (a client-only render does not know them).
@@ -44,7 +48,9 @@ SIM = CHART / "ci" / "sim-values.yaml"
 GPU_PVC = CHART / "ci" / "gpu-pvc-values.yaml"
 
 
-def template_args(kube_version: str, api_versions: str, case, overrides) -> list[str]:
+def template_args(
+    kube_version: str, api_versions: str, case: Path | None, overrides: Sequence[str]
+) -> list[str]:
     args = ["template", "skiff", "--namespace", "llm", "--kube-version", kube_version]
     if api_versions:
         args += ["--api-versions", api_versions]
@@ -57,13 +63,13 @@ def template_args(kube_version: str, api_versions: str, case, overrides) -> list
 
 @functools.cache
 def render_for(
-    kube_version: str, case, *overrides: str, api_versions: str = CRD_API_VERSIONS
-) -> tuple[dict, ...]:
+    kube_version: str, case: Path | None, *overrides: str, api_versions: str = CRD_API_VERSIONS
+) -> tuple[Doc, ...]:
     out = helm(*template_args(kube_version, api_versions, case, overrides))
     return tuple(d for d in yaml.safe_load_all(out) if d)
 
 
-def render_error(case, *overrides: str, api_versions: str = "") -> str:
+def render_error(case: Path | None, *overrides: str, api_versions: str = "") -> str:
     """helm template's error for a render that must fail."""
     helm("show", "chart")  # skips without helm, or fails under CI
     assert HELM is not None
@@ -75,20 +81,20 @@ def render_error(case, *overrides: str, api_versions: str = "") -> str:
     return done.stderr
 
 
-def kinds(docs, kind: str) -> list[dict]:
+def kinds(docs: Iterable[Doc], kind: str) -> list[Doc]:
     return [d for d in docs if d["kind"] == kind]
 
 
-def containers(doc: dict) -> list[dict]:
+def containers(doc: Doc) -> list[Doc]:
     pod = pod_spec(doc)
-    return pod["containers"] + pod.get("initContainers", [])
+    return [*pod["containers"], *pod.get("initContainers", [])]
 
 
 # ---- API versions and fields ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_the_oldest_kubernetes_gets_its_own_api_versions_and_fields(case):
+def test_the_oldest_kubernetes_gets_its_own_api_versions_and_fields(case: Path | None) -> None:
     docs = render_for(OLDEST, case)
     assert kinds(docs, "PodDisruptionBudget")
     for pdb in kinds(docs, "PodDisruptionBudget"):
@@ -113,7 +119,7 @@ def test_the_oldest_kubernetes_gets_its_own_api_versions_and_fields(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_a_current_kubernetes_gets_the_new_api_versions(case):
+def test_a_current_kubernetes_gets_the_new_api_versions(case: Path | None) -> None:
     docs = render_for(NEWEST, case, api_versions=f"{CRD_API_VERSIONS},{CURRENT_APIS}")
     for pdb in kinds(docs, "PodDisruptionBudget"):
         assert pdb["apiVersion"] == "policy/v1", pdb["metadata"]["name"]
@@ -123,7 +129,7 @@ def test_a_current_kubernetes_gets_the_new_api_versions(case):
     assert worker["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 1}
 
 
-def test_declared_api_versions_win_over_the_kube_version():
+def test_declared_api_versions_win_over_the_kube_version() -> None:
     """A 1.22 cluster serves policy/v1 (1.21) but not autoscaling/v2 (1.23)."""
     docs = render_for(
         "1.22.0", MULTI_GPU, api_versions=f"{CRD_API_VERSIONS},policy/v1/PodDisruptionBudget"
@@ -133,7 +139,7 @@ def test_declared_api_versions_win_over_the_kube_version():
     assert hpa["apiVersion"] == "autoscaling/v2beta2"
 
 
-def test_topology_spread_fields_newer_than_the_server_are_left_out():
+def test_topology_spread_fields_newer_than_the_server_are_left_out() -> None:
     spread = {
         "maxSkew": 1,
         "topologyKey": "kubernetes.io/hostname",
@@ -157,7 +163,7 @@ def test_topology_spread_fields_newer_than_the_server_are_left_out():
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_every_port_names_its_protocol(case):
+def test_every_port_names_its_protocol(case: Path | None) -> None:
     """Server-side apply on 1.20 refuses a port list whose entries omit `protocol`, a key of
     the list."""
     docs = render_for(OLDEST, case)
@@ -174,7 +180,7 @@ def test_every_port_names_its_protocol(case):
     assert ports >= 6  # gpu-pvc: no bundled NATS, one port per Service and container
 
 
-def test_the_render_for_the_oldest_validatable_kubernetes_is_valid():
+def test_the_render_for_the_oldest_validatable_kubernetes_is_valid() -> None:
     """kubernetes-validate's oldest schemas (1.25; none for 1.20 to 1.24): the render for that
     version, every built-in object strict."""
     versions = kubernetes_validate.utils.all_versions()
@@ -210,7 +216,7 @@ FEATURES = {
 
 
 @pytest.mark.parametrize("kind", FEATURES)
-def test_a_feature_whose_crd_is_not_served_fails_the_render(kind):
+def test_a_feature_whose_crd_is_not_served_fails_the_render(kind: str) -> None:
     override, value = FEATURES[kind]
     api = f"{CRD_KINDS[kind]}/{kind}"
     error = render_error(None, override)
@@ -221,7 +227,7 @@ def test_a_feature_whose_crd_is_not_served_fails_the_render(kind):
     assert docs and {d["apiVersion"] for d in docs} == {CRD_KINDS[kind]}
 
 
-def test_every_missing_crd_is_named_at_once():
+def test_every_missing_crd_is_named_at_once() -> None:
     error = render_error(MULTI_GPU)
     for kind in ("ServiceMonitor", "ScaledObject", "HTTPRoute"):
         assert f"{kind} " in error, error
@@ -230,7 +236,7 @@ def test_every_missing_crd_is_named_at_once():
     assert "PrometheusRule" in error and "ServiceMonitor " not in error
 
 
-def test_an_older_gateway_api_gets_its_httproute_version():
+def test_an_older_gateway_api_gets_its_httproute_version() -> None:
     override, _ = FEATURES["HTTPRoute"]
     docs = render_for(
         NEWEST, None, override, api_versions="gateway.networking.k8s.io/v1beta1/HTTPRoute"
@@ -239,12 +245,12 @@ def test_an_older_gateway_api_gets_its_httproute_version():
     assert route["apiVersion"] == "gateway.networking.k8s.io/v1beta1"
 
 
-def test_the_lint_knows_no_cluster_and_checks_no_crd():
+def test_the_lint_knows_no_cluster_and_checks_no_crd() -> None:
     lint = helm("lint", "--strict", "-f", str(MULTI_GPU), "--kube-version", OLDEST)
     assert "0 chart(s) failed" in lint
 
 
-def test_the_bundled_nats_pdb_has_a_switch():
+def test_the_bundled_nats_pdb_has_a_switch() -> None:
     on = render_for(NEWEST, MULTI_GPU)
     assert find(on, "PodDisruptionBudget", "skiff-nats")["spec"]["maxUnavailable"] == 1
     off = render_for(NEWEST, MULTI_GPU, '{"nats":{"pdb":{"enabled":false}}}')
@@ -260,7 +266,7 @@ NODE = {"kubernetes.io/hostname": "localhost"}
 
 
 @pytest.mark.parametrize("case", [CPU, SIM], ids=["cpu", "sim"])
-def test_every_pod_takes_pull_policy_tolerations_and_node_selector(case):
+def test_every_pod_takes_pull_policy_tolerations_and_node_selector(case: Path | None) -> None:
     """What a test cluster of one tainted node needs, for every pod and init container."""
     pod = {"image": {"pullPolicy": "Never"}, "tolerations": [TOLERATION], "nodeSelector": NODE}
     overrides = [json.dumps({c: pod}) for c in ("gateway", "scheduler", "worker", "nats")]
@@ -278,7 +284,7 @@ def test_every_pod_takes_pull_policy_tolerations_and_node_selector(case):
     assert "nats-config" in init
 
 
-def test_simulated_workers_drop_only_the_gpu_toleration():
+def test_simulated_workers_drop_only_the_gpu_toleration() -> None:
     worker = pod_spec(find(render_for(NEWEST, SIM), "StatefulSet", "skiff-worker"))
     assert "tolerations" not in worker  # the default one is nvidia.com/gpu's
     gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
