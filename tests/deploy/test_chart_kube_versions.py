@@ -291,3 +291,20 @@ def test_simulated_workers_drop_only_the_gpu_toleration() -> None:
     override = json.dumps({"worker": {"tolerations": [gpu, TOLERATION]}})
     worker = pod_spec(find(render_for(NEWEST, SIM, override), "StatefulSet", "skiff-worker"))
     assert worker["tolerations"] == [TOLERATION]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_every_resource_quantity_is_a_string(case: Path | None) -> None:
+    """Server-side apply on 1.20 refuses a number where the schema has a Quantity (the
+    worker's nvidia.com/gpu: 1 and a user's cpu: 2 alike)."""
+    docs = render_for(OLDEST, case, '{"gateway":{"resources":{"limits":{"cpu":2}}}}')
+    quantities = 0
+    for doc in workloads(docs):
+        for c in containers(doc):
+            for section in c["resources"].values():
+                for name, quantity in section.items():
+                    assert isinstance(quantity, str), (doc["metadata"]["name"], c["name"], name)
+                    quantities += 1
+    assert quantities >= 6
+    gateway = find(docs, "Deployment", "skiff-gateway")
+    assert pod_spec(gateway)["containers"][0]["resources"]["limits"]["cpu"] == "2"

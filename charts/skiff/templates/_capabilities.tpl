@@ -91,3 +91,24 @@ finds the release's namespace; under helm template it returns nothing. */}}
 {{- if gt (int (index (.status.allocatable | default dict) "nvidia.com/gpu" | default "0")) 0 }}true{{ end }}
 {{- end }}
 {{- end }}
+
+{{/* Container resources with every quantity a string: server-side apply on 1.20 refuses a
+number (e.g. nvidia.com/gpu: 1) where its schema has a Quantity. */}}
+{{- define "skiff.resources" -}}
+{{- $out := dict }}
+{{- range $section, $quantities := . }}
+{{- if kindIs "map" $quantities }}
+{{- $strings := dict }}
+{{- range $name, $q := $quantities }}
+{{- if and (kindIs "float64" $q) (eq (float64 (int64 $q)) $q) }}
+{{- $q = int64 $q }}
+{{- end }}
+{{- $_ := set $strings $name (toString $q) }}
+{{- end }}
+{{- $_ := set $out $section $strings }}
+{{- else }}
+{{- $_ := set $out $section $quantities }}
+{{- end }}
+{{- end }}
+{{- toYaml $out }}
+{{- end }}

@@ -113,7 +113,7 @@ global.imageRegistry when set, else the block's; the tag defaults to the chart's
   securityContext:
     {{- toYaml .Values.securityContext | nindent 4 }}
   resources:
-    {{- toYaml .Values.model.prepare.resources | nindent 4 }}
+    {{- include "skiff.resources" .Values.model.prepare.resources | nindent 4 }}
   volumeMounts:
     {{- include "skiff.scratchVolumeMounts" . | nindent 4 }}
 {{- end }}

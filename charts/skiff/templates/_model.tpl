@@ -80,7 +80,7 @@ repo and revision: (dict "ctx" $ "image" .Values.worker.image "volume" "model"
   securityContext:
     {{- toYaml .ctx.Values.securityContext | nindent 4 }}
   resources:
-    {{- toYaml $d.resources | nindent 4 }}
+    {{- include "skiff.resources" $d.resources | nindent 4 }}
   volumeMounts:
     {{- include "skiff.scratchVolumeMounts" .ctx | nindent 4 }}
     - name: {{ .volume }}
