@@ -227,14 +227,15 @@ def _namespace(config: SchedulerServiceConfig) -> str:
 def _kubernetes_lease_lock(name: str, namespace: str, identity: str) -> BaseLock:
     from kubernetes.aio.client import ApiClient
     from kubernetes.aio.config import ConfigException, load_incluster_config
-    from kubernetes.aio.leaderelection.resourcelock.leaselock import LeaseLock
+
+    from services.scheduler.lease_lock import KubernetesLeaseLock
 
     try:
         # the pod's service account (its rotating token is re-read as it changes)
         load_incluster_config()  # type: ignore[no-untyped-call]
     except ConfigException as exc:
         raise LeaderElectionError(f"not in a Kubernetes pod: {exc}") from exc
-    return LeaseLock(name, namespace, identity, ApiClient())
+    return KubernetesLeaseLock(name, namespace, identity, ApiClient())
 
 
 def elector_from_config(
