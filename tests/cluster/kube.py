@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import select
 import shutil
@@ -11,10 +12,13 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from kubernetes import client
 from kubernetes.stream import portforward
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "skiff"
 
 
 def wait_until(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 2.0):
@@ -52,6 +56,76 @@ def ready_pods(core: client.CoreV1Api, namespace: str, release: str, component: 
         if p.metadata.deletion_timestamp is None
         and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
     ]
+
+
+def deployments(apps: client.AppsV1Api, namespace: str, release: str, component: str) -> list:
+    selector = f"app.kubernetes.io/instance={release},app.kubernetes.io/component={component}"
+    return apps.list_namespaced_deployment(namespace, label_selector=selector).items
+
+
+def stateful_sets(apps: client.AppsV1Api, namespace: str, release: str, component: str) -> list:
+    selector = f"app.kubernetes.io/instance={release},app.kubernetes.io/component={component}"
+    return apps.list_namespaced_stateful_set(namespace, label_selector=selector).items
+
+
+def release_objects(api: client.ApiClient, namespace: str, release: str) -> list[str]:
+    """`kind/name` of every object in `namespace` that belongs to the release: labelled as
+    its instance or named after it (pods, Leases and Endpoints included), events excepted."""
+    found = []
+    for kind, path in _namespaced_resources(api, namespace):
+        for item in _get(api, path).get("items", []):
+            meta = item["metadata"]
+            labels = meta.get("labels") or {}
+            if labels.get("app.kubernetes.io/instance") == release or meta["name"].startswith(
+                f"{release}-"
+            ):
+                found.append(f"{kind}/{meta['name']}")
+    return found
+
+
+def _namespaced_resources(api: client.ApiClient, namespace: str) -> list[tuple[str, str]]:
+    """(kind, list path) of every listable namespaced resource the server serves."""
+    groups = ["/api/v1"]
+    for group in client.ApisApi(api).get_api_versions().groups:
+        groups.append(f"/apis/{group.preferred_version.group_version}")
+    resources = []
+    for base in groups:
+        for r in _get(api, base)["resources"]:
+            listable = r["namespaced"] and "list" in r["verbs"] and "/" not in r["name"]
+            if listable and r["kind"] != "Event":
+                resources.append((r["kind"], f"{base}/namespaces/{namespace}/{r['name']}"))
+    return resources
+
+
+def _get(api: client.ApiClient, path: str) -> dict[str, Any]:
+    """The JSON of a GET of `path` on the API server."""
+    request = api.param_serialize("GET", path, auth_settings=["BearerToken"])
+    response = api.call_api(*request, _request_timeout=30)
+    response.read()
+    assert response.status == 200, (path, response.status)
+    return json.loads(response.data)
+
+
+def services(core: client.CoreV1Api, namespace: str, release: str, component: str) -> list:
+    selector = f"app.kubernetes.io/instance={release},app.kubernetes.io/component={component}"
+    return core.list_namespaced_service(namespace, label_selector=selector).items
+
+
+def describe_failures(core: client.CoreV1Api, namespace: str) -> str:
+    """Every pod's phase and waiting or terminated reasons, and the namespace's warning
+    events: what a failed install leaves to read."""
+    lines = []
+    for pod in core.list_namespaced_pod(namespace).items:
+        states = []
+        for status in pod.status.container_statuses or []:
+            state = status.state.waiting or status.state.terminated
+            if state is not None:
+                states.append(f"{status.name}: {state.reason} {state.message or ''}".strip())
+        lines.append(f"pod {pod.metadata.name} {pod.status.phase} {'; '.join(states)}")
+    for event in core.list_namespaced_event(namespace).items:
+        if event.type == "Warning":
+            lines.append(f"event {event.involved_object.name}: {event.reason}: {event.message}")
+    return "\n".join(lines)
 
 
 def helm(helm_bin: str, *args: str) -> str:
