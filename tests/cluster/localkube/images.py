@@ -25,7 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from importlib import metadata
@@ -109,8 +109,8 @@ def chart_values() -> dict[str, str]:
 
 
 def parse_apt_sources(text: str, deb822: bool) -> list[str]:
-    """One-line `deb URI SUITE COMPONENT...` entries of an apt sources file (deb822 `.sources`
-    or one-line `.list`); deb-src entries are dropped."""
+    """One-line `deb URI SUITE COMPONENT...` entries (one suite each) of an apt sources file
+    (deb822 `.sources` or one-line `.list`); deb-src entries are dropped."""
     if not deb822:
         lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
         return [re.sub(r"\s*\[[^]]*\]", "", ln) for ln in lines if ln.startswith("deb ")]
@@ -124,9 +124,10 @@ def parse_apt_sources(text: str, deb822: bool) -> list[str]:
             fields[key.strip().lower()] = value.strip()
         if "deb" not in fields.get("types", "").split() or fields.get("enabled") == "no":
             continue
+        components = " ".join(fields.get("components", "").split())
         for uri in fields.get("uris", "").split():
-            suites = " ".join(fields.get("suites", "").split())
-            out.append(f"deb {uri} {suites} {fields.get('components', '')}".strip())
+            for suite in fields.get("suites", "").split():
+                out.append(f"deb {uri} {suite} {components}".strip())
     return out
 
 
@@ -336,21 +337,12 @@ def build_service(b: Buildah, service: str, pip: dict[str, str], conf_dir: Path)
 
 
 def export(b: Buildah, image: str, archive: Path) -> None:
-    """`buildah push` into an OCI archive whose index names the image as containerd's import
-    expects (io.containerd.image.name: `ctr images import` keeps that name as is)."""
-    layout = archive.with_suffix(".oci")
-    shutil.rmtree(layout, ignore_errors=True)
-    b("push", "--quiet", image, f"oci:{layout}:{image}")
-    index = json.loads((layout / "index.json").read_text())
-    for manifest in index["manifests"]:
-        manifest.setdefault("annotations", {})["io.containerd.image.name"] = image
-    (layout / "index.json").write_text(json.dumps(index))
+    """`buildah push` into an OCI archive whose index names the image by its full reference,
+    the name `ctr images import` gives it."""
     tmp = archive.with_suffix(".tmp")
-    with tarfile.open(tmp, "w") as tar:
-        for path in sorted(layout.rglob("*")):
-            tar.add(path, arcname=str(path.relative_to(layout)), recursive=False)
+    tmp.unlink(missing_ok=True)
+    b("push", "--quiet", image, f"oci-archive:{tmp}:{image}")
     tmp.rename(archive)
-    shutil.rmtree(layout)
 
 
 def build_images(cache_dir: Path = DEFAULT_CACHE) -> dict[str, Path]:
@@ -399,14 +391,54 @@ def build_images(cache_dir: Path = DEFAULT_CACHE) -> dict[str, Path]:
     return archives
 
 
+def check_import(archives: dict[str, Path]) -> list[str]:
+    """Import the archives into a containerd of its own (root, state and socket in a temporary
+    directory, no CRI) as `ctr -n k8s.io images import` does on a node; the names it lists."""
+    with tempfile.TemporaryDirectory(prefix="skiff-containerd-") as tmp:
+        sock = f"{tmp}/containerd.sock"
+        config = Path(tmp, "config.toml")
+        config.write_text(
+            f'version = 2\nroot = "{tmp}/root"\nstate = "{tmp}/state"\n'
+            'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
+            f'[grpc]\n  address = "{sock}"\n[ttrpc]\n  address = "{sock}.ttrpc"\n'
+        )
+        log = open(Path(tmp, "containerd.log"), "w")  # noqa: SIM115 - closed below
+        daemon = subprocess.Popen(["containerd", "--config", config], stdout=log, stderr=log)
+        try:
+            ctr = ["ctr", "--address", sock, "-n", "k8s.io"]
+            deadline = time.monotonic() + 30
+            while subprocess.run([*ctr, "version"], capture_output=True).returncode != 0:
+                if time.monotonic() > deadline or daemon.poll() is not None:
+                    raise RuntimeError(f"containerd did not start: {Path(tmp, 'containerd.log')}")
+                time.sleep(0.5)
+            for archive in archives.values():
+                run([*ctr, "images", "import", archive])
+            return run([*ctr, "images", "ls", "-q"]).split()
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=30)
+            log.close()
+            subprocess.run(["umount", "-R", f"{tmp}/root"], capture_output=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cache_dir", nargs="?", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument(
+        "--check-import", action="store_true", help="import them into a throwaway containerd"
+    )
     args = parser.parse_args()
     start = time.monotonic()
-    for image, archive in build_images(args.cache_dir).items():
+    archives = build_images(args.cache_dir)
+    for image, archive in archives.items():
         print(f"{image}\t{archive}\t{archive.stat().st_size / 2**20:.0f} MiB")
-    print(f"{time.monotonic() - start:.0f} s", file=sys.stderr)
+    print(f"built in {time.monotonic() - start:.0f} s", file=sys.stderr)
+    if args.check_import:
+        listed = check_import(archives)
+        missing = set(archives) - set(listed)
+        print(f"containerd imported {sorted(listed)}", file=sys.stderr)
+        if missing:
+            raise SystemExit(f"not imported: {sorted(missing)}")
 
 
 if __name__ == "__main__":

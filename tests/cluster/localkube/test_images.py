@@ -31,7 +31,8 @@ Enabled: yes
 
 def test_apt_sources_from_deb822_and_one_line_files():
     assert images.parse_apt_sources(DEB822, deb822=True) == [
-        "deb http://deb.debian.org/debian bookworm bookworm-updates main",
+        "deb http://deb.debian.org/debian bookworm main",
+        "deb http://deb.debian.org/debian bookworm-updates main",
         "deb http://mirror.example/debian-security bookworm-security main contrib",
     ]
     listing = (
