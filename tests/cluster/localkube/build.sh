@@ -15,8 +15,7 @@ if complete; then echo "kubernetes v1.20.2 binaries already in $DEST"; exit 0; f
 
 WORK=$CACHE/src
 mkdir -p "$WORK/apt/lists/partial" "$WORK/apt/archives/partial"
-DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-  golang-1.19-go golang-github-modern-go-reflect2-dev make rsync >/dev/null
+"$(dirname "$0")/install_packages.sh"
 # deb-src lines for the mirrors the machine already uses (deb822 or one-line sources)
 : > "$WORK/apt/src.sources"
 for f in /etc/apt/sources.list.d/*.sources; do
