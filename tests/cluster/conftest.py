@@ -4,8 +4,8 @@ Without KUBECONFIG the suite brings up its own cluster on this machine (tests/cl
 Kubernetes v1.20.2 built from Debian's source, the real kubelet on containerd, the project's
 images built offline from docker/*.Dockerfile) and stops it at the end; it needs root, and never
 skips. With KUBECONFIG it uses that cluster, whose nodes must be able to pull the images:
-SKIFF_TEST_VALUES names a values file that says where (global.imageRegistry, tags), as in
-docs/deployment.md.
+SKIFF_TEST_VALUES names values files (separated by `:`) that say where (global.imageRegistry,
+tags), as in docs/deployment.md.
 
 Every test shares one release (two CPU workers, two scheduler replicas) in a namespace of its
 own; the gateway is reached through its Service (the local cluster routes ClusterIPs from this
@@ -48,8 +48,8 @@ class Cluster:
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     if os.environ.get("KUBECONFIG"):
-        extra = os.environ.get("SKIFF_TEST_VALUES")
-        yield Cluster(Path(os.environ["KUBECONFIG"]), ["-f", extra] if extra else [])
+        files = [f for f in os.environ.get("SKIFF_TEST_VALUES", "").split(os.pathsep) if f]
+        yield Cluster(Path(os.environ["KUBECONFIG"]), [a for f in files for a in ("-f", f)])
         return
     assert os.geteuid() == 0, "the local cluster needs root (network namespaces, containerd)"
     from tests.cluster.localkube import cluster as localkube

@@ -193,7 +193,7 @@ def test_helm_upgrade_rolls_workers_one_at_a_time(cluster, k8s, helm, release, o
         with streaming(openai_client):
             helm(
                 "upgrade", name, str(kube.CHART), "-n", namespace, "--reuse-values",
-                "--set", "worker.kvCacheGiB=0.75",
+                "--set-json", "worker.kvCacheGiB=0.75",
                 "--wait", "--timeout=15m",
             )  # fmt: skip
     finally:
