@@ -73,6 +73,7 @@ PIP_INDEX_KEYS = (
     "timeout",
     "retries",
 )
+PRUNE_AT = 30 * 2**30  # bytes of buildah storage (a cold build leaves ~12 GiB)
 PIP_CONF_DIR = "/opt/skiff-pip"  # where a build sees the generated pip.conf
 PYPI = "https://pypi.org/simple"
 PAUSE_C = r"""
@@ -212,13 +213,12 @@ def source_hash(extra: Iterable[str], root: Path = ROOT) -> str:
 # ---- buildah ------------------------------------------------------------------------------------
 
 
-def run(cmd: Sequence[str | Path], **kw: object) -> str:
-    done = subprocess.run(
-        [str(c) for c in cmd], stdout=subprocess.PIPE, text=True, check=False, **kw
-    )  # type: ignore[call-overload]
+def run(cmd: Sequence[str | Path]) -> str:
+    """The command's stdout; its stderr goes to ours."""
+    done = subprocess.run([str(c) for c in cmd], stdout=subprocess.PIPE, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, cmd))}: exit {done.returncode}")
-    return str(done.stdout)
+    return done.stdout
 
 
 class Buildah:
@@ -263,8 +263,15 @@ class Buildah:
             shutil.rmtree(self.runroot, ignore_errors=True)
         return ok
 
-    def __call__(self, *args: str | Path, **kw: object) -> str:
-        return run([*self.cmd, *args], **kw)
+    def __call__(self, *args: str | Path) -> str:
+        return run([*self.cmd, *args])
+
+    def prune_when_over(self, limit: int) -> None:
+        """Each rebuild leaves the layers of the last one behind (the cache of --layers): past
+        `limit` bytes they all go, and the next build is a cold one."""
+        used = int(run(["du", "-sxb", self.root]).split()[0])
+        if used > limit:
+            self("rmi", "--prune")
 
     def labels(self, image: str) -> dict[str, str]:
         """The image's labels; empty when it is not in the storage."""
@@ -281,7 +288,8 @@ def from_files(b: Buildah, image: str, files: dict[str, Path], config: Sequence[
     ctr = b("from", "--name", f"skiff-{os.getpid()}", "scratch").strip()
     try:
         for dest, src in files.items():
-            b("add", "--chmod", "0755", ctr, src, dest) if dest != "/" else b("add", ctr, src, "/")
+            mode = [] if dest == "/" else ["--chmod", "0755"]  # a tarball unpacks with its own
+            b("add", *mode, ctr, src, dest)
         b("config", *config, ctr)
         b("commit", "--rm", ctr, image)
     except BaseException:
@@ -383,7 +391,9 @@ def _build_images(cache_dir: Path, work: Path) -> dict[str, Path]:
         archives[image] = archive
         if archive.is_file():
             continue
-        b = b or Buildah(cache_dir)
+        if b is None:
+            b = Buildah(cache_dir)
+            b.prune_when_over(PRUNE_AT)
         if name in SERVICES:
             ensure_base(b, work, sources)
             build_service(b, name, pip, conf_dir)

@@ -4,6 +4,7 @@ machine, the chart values that select the built images, the content hash. Nothin
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tests.cluster.localkube import images
 from tests.deploy.test_chart_render import pod_spec, render, workloads
@@ -29,7 +30,7 @@ Enabled: yes
 """
 
 
-def test_apt_sources_from_deb822_and_one_line_files():
+def test_apt_sources_from_deb822_and_one_line_files() -> None:
     assert images.parse_apt_sources(DEB822, deb822=True) == [
         "deb http://deb.debian.org/debian bookworm main",
         "deb http://deb.debian.org/debian bookworm-updates main",
@@ -55,7 +56,7 @@ global.find-links='/opt/old-wheels'
 """
 
 
-def test_pip_index_configuration_environment_first_constraint_left_out():
+def test_pip_index_configuration_environment_first_constraint_left_out() -> None:
     config = images.parse_pip_config(PIP_LIST)
     assert config == {
         "cert": "/etc/ssl/certs/ca-certificates.crt",
@@ -88,14 +89,14 @@ def rendered_images(values: dict[str, str]) -> set[tuple[str, str]]:
     return found
 
 
-def test_chart_values_select_the_built_images():
+def test_chart_values_select_the_built_images() -> None:
     wanted = {images.service_image(s) for s in images.SERVICES} | {images.nats_image()}
     rendered = rendered_images(images.chart_values())
     assert {image for image, _ in rendered} == wanted
     assert {policy for _, policy in rendered} == {"Never"}
 
 
-def test_source_hash_follows_the_sources(tmp_path):
+def test_source_hash_follows_the_sources(tmp_path: Path) -> None:
     for name in images.SOURCES:
         (tmp_path / name).mkdir() if "." not in name else (tmp_path / name).write_text("x")
     (tmp_path / "services" / "a.py").write_text("a = 1\n")
