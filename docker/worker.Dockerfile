@@ -6,8 +6,9 @@
 #   CPU: docker build -f docker/worker.Dockerfile -t skiff-worker \
 #          --build-arg BASE=ubuntu:24.04 \
 #          --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
-# BASE must be Ubuntu 24.04 (python3 = 3.12) or Debian 12 (3.11) based. The CUDA "base" flavour is enough: the
-# torch wheels carry cuBLAS/cuDNN/NCCL, the driver comes from the NVIDIA container toolkit.
+# BASE must be Ubuntu 24.04 (python3 = 3.12) or Debian 12 (3.11) based. The CUDA "base"
+# flavour is enough: the torch wheels carry cuBLAS/cuDNN/NCCL, the driver comes from the NVIDIA
+# container toolkit.
 # Pick the TORCH_INDEX_URL (cu126, cu128, ...) that the nodes' driver supports. BASE is an exact
 # version tag (ubuntu:24.04 is the release, rebuilt with its updates); to pin its digest as
 # well, pass --build-arg BASE=<image>:<tag>@sha256:<digest>, the digest from
