@@ -58,7 +58,7 @@ class SchedulerServiceConfig(NatsClientConfig):
         "", "namespace of the Lease (empty: this pod's, from its service account)"
     )
     leader_election_identity: str = setting(
-        "", "this replica's name in the Lease (empty: host name and process id)"
+        "", "this replica's name in the Lease, made unique per process (empty: host name)"
     )
     leader_election_lease_duration: float = setting(
         6.0, "a standby takes over a Lease not renewed for this long"

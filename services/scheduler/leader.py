@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import os
 import re
 import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -191,9 +191,11 @@ class _BoundedLock(BaseLock):
 # ---- from the scheduler's settings ----------------------------------------------------------
 
 
-def default_identity() -> str:
-    """Unique per process (the chart passes the pod name instead)."""
-    return f"{socket.gethostname()}-{os.getpid()}"
+def process_identity(name: str) -> str:
+    """`name` (the chart passes the pod name; default: the host name) with a suffix unique to
+    this process: a scheduler restarted in the same pod must not take its predecessor's Lease
+    for its own and skip the lease duration that lets the predecessor's plans drain."""
+    return f"{name or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
 
 
 def lock_from_config(config: SchedulerServiceConfig) -> BaseLock:
@@ -204,7 +206,7 @@ def lock_from_config(config: SchedulerServiceConfig) -> BaseLock:
         raise LeaderElectionError(
             f"Lease name {name!r} is not a DNS subdomain: set --leader-election-lease-name"
         )
-    identity = config.leader_election_identity or default_identity()
+    identity = process_identity(config.leader_election_identity)
     if config.leader_election_lock_dir:
         from services.scheduler.lease_file import FileLeaseLock
 

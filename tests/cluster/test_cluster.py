@@ -111,16 +111,16 @@ def test_a_worker_pod_deleted_mid_stream(k8s, release, openai_client):
     )
 
 
-def lease_holders(coordination, core, namespace: str, release: str) -> dict[str, str]:
-    """{Lease name: holding scheduler pod} for the Leases held by this release's schedulers (a
-    holder identity starts with the pod's name, its host name)."""
+def lease_holders(coordination, core, namespace: str, release: str) -> dict[str, tuple[str, str]]:
+    """{Lease name: (holding scheduler pod, holder identity)} for the Leases held by this
+    release's schedulers (an identity is the pod's name and a per-process suffix)."""
     pods = {p.metadata.name for p in kube.ready_pods(core, namespace, release, "scheduler")}
     held = {}
     for lease in coordination.list_namespaced_lease(namespace).items:
         holder = (lease.spec and lease.spec.holder_identity) or ""
         for pod in pods:
-            if holder.startswith(pod):
-                held[lease.metadata.name] = pod
+            if holder.startswith(f"{pod}_"):
+                held[lease.metadata.name] = (pod, holder)
     return held
 
 
@@ -144,7 +144,7 @@ def test_killing_the_leader_scheduler_hands_over(cluster, k8s, release, openai_c
         lambda: lease_holders(coordination, core, namespace, name),
         120,
     )
-    (lease_name, leader), *_ = held.items()
+    (lease_name, (leader, leader_identity)), *_ = held.items()
     lease = coordination.read_namespaced_lease(lease_name, namespace).spec
     (deployment,) = kube.deployments(apps, namespace, name, "scheduler")
     env = {e.name: e.value for e in deployment.spec.template.spec.containers[0].env}
@@ -156,7 +156,7 @@ def test_killing_the_leader_scheduler_hands_over(cluster, k8s, release, openai_c
             "a standby taking the Lease over",
             lambda: (
                 (h := lease_holders(coordination, core, namespace, name).get(lease_name))
-                and h != leader
+                and h[1] != leader_identity
                 and h
             ),
             120,
@@ -164,7 +164,8 @@ def test_killing_the_leader_scheduler_hands_over(cluster, k8s, release, openai_c
         )
         took_over_s = time.monotonic() - killed_at
         time.sleep(3)  # streams keep going on the new leader
-    assert new != leader
+    # the other replica, or the killed one's restarted container: a new process either way
+    assert new[1] != leader_identity
     # the standby waits a lease duration after the Lease's last change, then one retry period;
     # 2 s for this test's polling and the API round trips
     assert took_over_s <= lease.lease_duration_seconds + retry_s + 2, took_over_s

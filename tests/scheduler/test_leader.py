@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -255,9 +255,11 @@ def test_settings_and_lock_selection(tmp_path):
     on_file = SchedulerServiceConfig(leader_election_lock_dir=str(tmp_path))
     lock = lock_from_config(on_file)
     assert isinstance(lock, FileLeaseLock) and lock.name == "skiff-scheduler"
-    assert lock.identity.endswith(f"-{os.getpid()}")  # unique per process by default
+    assert lock.identity.startswith(f"{socket.gethostname()}_")
     named = dataclasses.replace(on_file, leader_election_identity="skiff-scheduler-7d9f-x2")
-    assert lock_from_config(named).identity == "skiff-scheduler-7d9f-x2"
+    first, again = lock_from_config(named).identity, lock_from_config(named).identity
+    # the pod's name, unique per process: a restarted scheduler is a new candidate
+    assert first.startswith("skiff-scheduler-7d9f-x2_") and again != first
     # outside a pod: a clear error, not a traceback from the client
     with pytest.raises(LeaderElectionError, match="no namespace for the Lease"):
         lock_from_config(SchedulerServiceConfig())
