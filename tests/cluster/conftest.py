@@ -7,9 +7,11 @@ skips. With KUBECONFIG it uses that cluster, whose nodes must be able to pull th
 SKIFF_TEST_VALUES names values files (separated by `:`) that say where (global.imageRegistry,
 tags), as in docs/deployment.md.
 
-Every test shares one release (two CPU workers, two scheduler replicas) in a namespace of its
-own; the gateway is reached through its Service (the local cluster routes ClusterIPs from this
-host with kube-proxy) or, on another cluster, through a port-forward to a gateway pod.
+The cluster lives as long as this package's tests (package-scoped fixtures), so the rest of
+the suite runs without it. Every test shares one release (two CPU workers, two scheduler
+replicas) in a namespace of its own; the gateway is reached through its Service (the local
+cluster routes ClusterIPs from this host with kube-proxy) or, on another cluster, through a
+port-forward to a gateway pod.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Cluster:
         self.api = config.new_client_from_config(str(self.kubeconfig))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster() -> Iterator[Cluster]:
     if os.environ.get("KUBECONFIG"):
         files = [f for f in os.environ.get("SKIFF_TEST_VALUES", "").split(os.pathsep) if f]
@@ -61,20 +63,20 @@ def cluster() -> Iterator[Cluster]:
         yield Cluster(local.kubeconfig, ["-f", str(LOCAL_VALUES), *sets], local)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def k8s(cluster: Cluster):
     api = cluster.api
     return client.CoreV1Api(api), client.AppsV1Api(api), client.CoordinationV1Api(api), client
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def helm(cluster: Cluster):
     helm_bin = find_helm()
     assert helm_bin, "no helm binary: `make install` puts one at .venv/bin/helm"
     return lambda *args: kube.helm(helm_bin, f"--kubeconfig={cluster.kubeconfig}", *args)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def release(cluster: Cluster, k8s, helm) -> Iterator[tuple[str, str]]:
     """The cpu profile installed in a fresh namespace; (namespace, release). Uninstalled (if a
     test has not) and the namespace deleted afterwards."""
