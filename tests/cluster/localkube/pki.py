@@ -127,31 +127,11 @@ def make_pki(directory: Path, server: str, server_ips: list[str]) -> Pki:
     dns.append("kubernetes.default.svc.cluster.local")
     sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
     sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in server_ips]
-    key = _key()
-    _write_key(pki.key("apiserver"), key)
-    serving = _issue(
-        _name("kube-apiserver"),
-        key,
-        ca_name,
-        ca_key,
-        usage=ExtendedKeyUsageOID.SERVER_AUTH,
-        sans=sans,
-    )
-    _write_cert(pki.cert("apiserver"), serving)
+    _serving(pki, "apiserver", "kube-apiserver", sans, ca_name, ca_key)
     # the kubelet serves logs, exec and port-forward to the API server at its node name
-    key = _key()
-    _write_key(pki.key("kubelet-serving"), key)
     kubelet_sans: list[x509.GeneralName] = [x509.DNSName("localhost")]
     kubelet_sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
-    kubelet_serving = _issue(
-        _name("localhost"),
-        key,
-        ca_name,
-        ca_key,
-        usage=ExtendedKeyUsageOID.SERVER_AUTH,
-        sans=kubelet_sans,
-    )
-    _write_cert(pki.cert("kubelet-serving"), kubelet_serving)
+    _serving(pki, "kubelet-serving", "localhost", kubelet_sans, ca_name, ca_key)
 
     for client, (cn, org) in CLIENTS.items():
         key = _key()
@@ -168,6 +148,21 @@ def make_pki(directory: Path, server: str, server_ips: list[str]) -> Pki:
         )
     )
     return pki
+
+
+def _serving(
+    pki: Pki,
+    name: str,
+    cn: str,
+    sans: list[x509.GeneralName],
+    ca_name: x509.Name,
+    ca_key: rsa.RSAPrivateKey,
+) -> None:
+    """A serving certificate `name` for the DNS names and addresses `sans`."""
+    key = _key()
+    _write_key(pki.key(name), key)
+    cert = _issue(_name(cn), key, ca_name, ca_key, usage=ExtendedKeyUsageOID.SERVER_AUTH, sans=sans)
+    _write_cert(pki.cert(name), cert)
 
 
 def _write_kubeconfig(pki: Pki, user: str, server: str) -> None:
