@@ -142,12 +142,16 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        priority: list[int] | None = None,
     ) -> list[GenerationOutput]:
         """Run all prompts to completion together; outputs come back in prompt order.
 
-        `prompts` is one prompt or a sequence of them; a list of ints is one prompt. A prompt
-        in another form, an invalid parameter or a prompt that does not fit the context raises
-        `SamplingParamsError` (a ValueError) before anything is scheduled.
+        `prompts` is one prompt or a sequence of them; a list of ints is one prompt.
+        `priority`: one per prompt, as vLLM's; with the "priority" scheduling policy, lower
+        values are scheduled first (and preempted last). A prompt in another form, an invalid
+        parameter, a prompt that does not fit the context, a `priority` list of another length
+        or a non-zero priority under another policy raises `SamplingParamsError` (a
+        ValueError) before anything is scheduled.
         """
         batch: list[object]
         if isinstance(prompts, list | tuple) and not (prompts and isinstance(prompts[0], int)):
@@ -156,17 +160,20 @@ class LLM:
             batch = [prompts]  # one prompt: a str, a dict or a list of token ids
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(batch)
+        priorities = self._check_priority(priority, len(batch))
         checked = [self._check(prompt, p) for prompt, p in zip(batch, params_list, strict=True)]
         results: dict[str, GenerationOutput] = {}
         children: dict[str, tuple[str, int]] = {}
-        for (text, token_ids), p in zip(checked, params_list, strict=True):
+        for (text, token_ids), p, prio in zip(checked, params_list, priorities, strict=True):
             parent = f"gen-{next(self._ids)}"
             results[parent] = GenerationOutput(parent, text, token_ids, [])
             for i in range(p.n):
                 child = f"{parent}-{i}"
                 children[child] = (parent, i)
                 results[parent].outputs.append(CompletionOutput(i, "", []))
-                self.scheduler.add_request(Request(child, token_ids, p.for_choice(i)))
+                self.scheduler.add_request(
+                    Request(child, token_ids, p.for_choice(i), priority=prio)
+                )
         for out in self._run():
             parent, i = children[out.req_id]
             self._accumulate(results[parent], i, out)
@@ -175,6 +182,24 @@ class LLM:
             for completion in gen.outputs:
                 completion.text = self.tokenizer.decode(completion.token_ids)
         return list(results.values())
+
+    def _check_priority(self, priority: list[int] | None, num_prompts: int) -> list[int]:
+        """Each prompt's priority (0 when not given), as the scheduling policy allows it."""
+        if priority is None:
+            return [0] * num_prompts
+        if len(priority) != num_prompts:
+            raise SamplingParamsError(
+                f"The lengths of prompts ({num_prompts}) and priority ({len(priority)}) must be "
+                "the same.",
+                "priority",
+            )
+        policy = self.scheduler.config.scheduling_policy
+        for value in priority:
+            if value != 0 and policy != "priority":
+                raise SamplingParamsError(
+                    f"Got priority {value} but Priority scheduling is not enabled.", "priority"
+                )
+        return list(priority)
 
     def _check(self, prompt: object, params: SamplingParams) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt whose parameters are valid and that fits the context."""
