@@ -182,6 +182,15 @@ async def subscribe(
     return await nc.subscribe(subject, queue=queue, cb=on_msg)
 
 
+async def flush(nc: Client) -> None:
+    """Return once the server has processed every command `nc` was given before, e.g. a
+    subscription that another connection's publish must find. nats-py's `Client.flush` writes
+    its PING at once, ahead of the commands still queued for its flusher task (a SUB just
+    made), so its PONG can come back before the server saw them: those are written first."""
+    await nc._flush_pending(force_flush=True)
+    await nc.flush()
+
+
 async def request(
     nc: Client, subject: str, msg: msgspec.Struct, reply_type: type[R], timeout: float
 ) -> R:

@@ -181,16 +181,16 @@ def test_the_server_enforces_plans_per_worker_and_private_replies(broker):
         await worker.subscribe("skiff.worker.worker-0.plan", cb=on_plan)
         await worker.subscribe("skiff.worker.worker-1.plan", cb=on_plan)
         await worker.subscribe("_INBOX.admin.>", cb=on_plan)
-        await worker.flush()
+        await bus.flush(worker)
         for w in ("worker-0", "worker-1"):
             await scheduler.publish(f"skiff.worker.{w}.plan", b"plan")
-        await scheduler.flush()
+        await bus.flush(scheduler)
 
         async def on_stats(msg) -> None:  # the scheduler answers on the admin's inbox
             await msg.respond(encode(SchedulerStats(epoch="e", num_requests=3)))
 
         await scheduler.subscribe("skiff.scheduler.stats", cb=on_stats)
-        await scheduler.flush()
+        await bus.flush(scheduler)
         stats = await bus.request(
             admin, "skiff.scheduler.stats", SchedulerStatsRequest(), SchedulerStats, 5
         )
@@ -221,7 +221,7 @@ def test_a_workers_goodbye_reaches_the_scheduler(broker):
             got.set()
 
         await scheduler.subscribe("skiff.worker.goodbye", cb=on_goodbye)
-        await scheduler.flush()
+        await bus.flush(scheduler)
         await worker.publish("skiff.worker.goodbye", b"bye")
         await worker.flush()
         await asyncio.wait_for(got.wait(), 5)
