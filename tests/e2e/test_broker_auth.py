@@ -114,6 +114,7 @@ class Intruder:
 
         for subject in subjects:
             await self.nc.subscribe(subject, cb=on_msg)
+        await bus.flush(self.nc)  # the server has them before anything is sent to them
 
     def denied(self, action: str) -> set[str]:
         """Subjects the server refused for `action` ("publish" or "subscription"), in lower

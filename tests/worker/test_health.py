@@ -94,7 +94,7 @@ def test_ready_once_adopted_and_a_goodbye_on_leaving(model_dir, nats_url):
         await bus.subscribe(nc, subjects.worker_hello, WorkerHello, hellos.put)
         await bus.subscribe(nc, subjects.result, ModelRunnerOutput, results.put)
         await bus.subscribe(nc, subjects.worker_goodbye, WorkerGoodbye, goodbyes.put)
-        await nc.flush()
+        await bus.flush(nc)
         await service.start()
         await asyncio.wait_for(hellos.get(), 5)  # after its subscription to its plans
         assert service.live() is None

@@ -282,7 +282,7 @@ def test_service_runs_sim_steps_on_the_loop_and_resets_on_a_bad_plan(model_dir, 
         subjects = Subjects()
         await bus.subscribe(nc, subjects.worker_hello, WorkerHello, hellos.put)
         await bus.subscribe(nc, subjects.result, ModelRunnerOutput, results.put)
-        await nc.flush()
+        await bus.flush(nc)
         await service.start()
         hello = await asyncio.wait_for(hellos.get(), 5)
         assert (hello.device, hello.num_blocks, hello.vocab_size) == ("sim", 64, VOCAB)

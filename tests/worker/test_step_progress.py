@@ -86,7 +86,7 @@ def heartbeats_during_a_long_step(nats_url: str, runner: SimRunner | ThreadedSim
         await bus.subscribe(nc, subjects.result, ModelRunnerOutput, results.put)
         hellos: asyncio.Queue[WorkerHello] = asyncio.Queue()
         await bus.subscribe(nc, subjects.worker_hello, WorkerHello, hellos.put)
-        await nc.flush()
+        await bus.flush(nc)
         await service.start()
         # its hello follows its subscriptions on its connection: the plan below reaches it
         await asyncio.wait_for(hellos.get(), 10)
