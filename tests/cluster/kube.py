@@ -21,6 +21,11 @@ from kubernetes.stream import portforward
 CHART = Path(__file__).resolve().parents[2] / "charts" / "skiff"
 
 
+def component_selector(release: str, component: str) -> str:
+    """The label selector of one component's objects in a release."""
+    return f"app.kubernetes.io/instance={release},app.kubernetes.io/component={component}"
+
+
 def wait_until(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 2.0):
     """`check()`'s first truthy value, polled until `timeout_s`; fails naming `what`."""
     deadline = time.monotonic() + timeout_s
@@ -48,7 +53,7 @@ def workloads_ready(apps: client.AppsV1Api, namespace: str, release: str) -> boo
 
 
 def ready_pods(core: client.CoreV1Api, namespace: str, release: str, component: str) -> list:
-    selector = f"app.kubernetes.io/instance={release},app.kubernetes.io/component={component}"
+    selector = component_selector(release, component)
     pods = core.list_namespaced_pod(namespace, label_selector=selector).items
     return [
         p
@@ -59,12 +64,12 @@ def ready_pods(core: client.CoreV1Api, namespace: str, release: str, component: 
 
 
 def deployments(apps: client.AppsV1Api, namespace: str, release: str, component: str) -> list:
-    selector = f"app.kubernetes.io/instance={release},app.kubernetes.io/component={component}"
+    selector = component_selector(release, component)
     return apps.list_namespaced_deployment(namespace, label_selector=selector).items
 
 
 def stateful_sets(apps: client.AppsV1Api, namespace: str, release: str, component: str) -> list:
-    selector = f"app.kubernetes.io/instance={release},app.kubernetes.io/component={component}"
+    selector = component_selector(release, component)
     return apps.list_namespaced_stateful_set(namespace, label_selector=selector).items
 
 
@@ -107,7 +112,7 @@ def _get(api: client.ApiClient, path: str) -> dict[str, Any]:
 
 
 def services(core: client.CoreV1Api, namespace: str, release: str, component: str) -> list:
-    selector = f"app.kubernetes.io/instance={release},app.kubernetes.io/component={component}"
+    selector = component_selector(release, component)
     return core.list_namespaced_service(namespace, label_selector=selector).items
 
 

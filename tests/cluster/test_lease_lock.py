@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
-import subprocess
 import time
 import uuid
 
@@ -20,7 +19,6 @@ from kubernetes.aio.leaderelection.leaderelectionrecord import LeaderElectionRec
 from services.scheduler.leader import LeaderElector
 from services.scheduler.lease_lock import KubernetesLeaseLock
 from tests.cluster import kube
-from tests.deploy.test_chart_render import find_helm
 
 pytestmark = pytest.mark.e2e
 
@@ -29,16 +27,15 @@ LEASE_S, RENEW_S, RETRY_S = 4.0, 3.0, 1.0
 
 
 @pytest.fixture(scope="module")
-def scheduler_account(cluster):
+def scheduler_account(cluster, helm):
     """(namespace, token, CA file) of the chart's scheduler ServiceAccount, with its Role."""
     core = client.CoreV1Api(cluster.api)
     namespace = f"lease-test-{uuid.uuid4().hex[:6]}"
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
-    rendered = subprocess.run(
-        [find_helm(), "template", "skiff", str(kube.CHART), "-n", namespace,
-         "--show-only", "templates/scheduler-rbac.yaml", "--set", "scheduler.replicas=2"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+    rendered = helm(
+        "template", "skiff", str(kube.CHART), "-n", namespace,
+        "--show-only", "templates/scheduler-rbac.yaml", "--set", "scheduler.replicas=2",
+    )  # fmt: skip
     objects = [o for o in yaml.safe_load_all(rendered) if o]
     assert {o["kind"] for o in objects} == {"ServiceAccount", "Role", "RoleBinding", "Lease"}
     utils.create_from_yaml(cluster.api, yaml_objects=objects, namespace=namespace)

@@ -17,13 +17,14 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
 import yaml
 from kubernetes import client, config
 
+from tests.cluster.kube import wait_until
 from tests.cluster.localkube.pki import Pki, make_pki
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -69,7 +70,7 @@ class LocalCluster:
 
     # ---- lifecycle ----------------------------------------------------------------------
 
-    def start(self, images: list[Path] = ()) -> None:  # type: ignore[assignment]
+    def start(self, images: Sequence[Path] = ()) -> None:
         """The control plane, then the node with `images` (OCI archives) imported before
         anything can be scheduled there."""
         self.stop()
@@ -103,7 +104,7 @@ class LocalCluster:
 
     # ---- processes -----------------------------------------------------------------------
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def _spawn(self, name: str, argv: list[str]) -> None:
         log = (self.logs / f"{name}.log").open("ab")
         proc = subprocess.Popen(
             argv,
@@ -111,7 +112,6 @@ class LocalCluster:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            env={**os.environ, **(env or {})},
         )
         with self.pids.open("a") as f:
             f.write(f"{name} {proc.pid}\n")
@@ -171,7 +171,7 @@ class LocalCluster:
             *common,
         ])  # fmt: skip
 
-    def _containerd(self, images: list[Path]) -> None:
+    def _containerd(self, images: Sequence[Path]) -> None:
         config = subprocess.run(
             ["containerd", "config", "default"], capture_output=True, text=True, check=True
         ).stdout
@@ -289,14 +289,8 @@ class LocalCluster:
                 check=False,
             )
 
-    def _wait(self, what: str, ready, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"timed out after {timeout_s:g} s waiting for {what}; logs in {self.logs}"
-                )
-            time.sleep(0.5)
+    def _wait(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
+        wait_until(f"{what} (logs in {self.logs})", ready, timeout_s, every_s=0.5)
 
 
 def _set_sandbox_image(config: str, image: str) -> str:
@@ -442,7 +436,7 @@ def _unmount_under(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def running(images: list[Path] = ()) -> Iterator[LocalCluster]:  # type: ignore[assignment]
+def running(images: Sequence[Path] = ()) -> Iterator[LocalCluster]:
     cluster = LocalCluster(bin_dir=build_binaries())
     try:
         cluster.start(images)
