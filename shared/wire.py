@@ -16,7 +16,10 @@ from shared.sampling_params import SamplingParams
 # 3: BatchPlan.scheduler_epoch, no longer a prefix of BatchPlan.worker_session
 # 4: WorkerHello.step_id and .progress (a long step is not hung while it advances), and
 #    TokenDelta.finish_reason "error" with TokenDelta.error (a request failed by the scheduler)
-PROTOCOL_VERSION = 4
+# 5: tiered KV cache: BatchPlan.kv_copies and .kv_loads, their results in ModelRunnerOutput,
+#    a worker's lower tiers and KV-transfer address in WorkerHello, SchedulerHeartbeat.block_size
+#    and .prefix_summary
+PROTOCOL_VERSION = 5
 M = TypeVar("M", bound=msgspec.Struct)
 
 
@@ -50,6 +53,36 @@ class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
     resumed: bool = False
 
 
+# The tiers of a worker's KV cache: its device pool, a host-memory pool and a local-disk tier.
+# A block is addressed by its index in the tier (block id on the device, slot below).
+KV_DEVICE, KV_HOST, KV_DISK = "device", "host", "disk"
+
+
+class KVCopy(msgspec.Struct, array_like=True):
+    """Copy blocks between two tiers of the worker that runs the plan: device -> host (offload
+    of freed prefix blocks) or host -> disk (spill of host blocks about to be overwritten).
+    A plan's copies run in order, before its forward pass reads or writes any block."""
+
+    src_tier: str
+    dst_tier: str
+    src: list[int]  # [n] blocks or slots of src_tier
+    dst: list[int]  # [n] slots of dst_tier
+
+
+class KVLoad(msgspec.Struct, kw_only=True):
+    """Fill device blocks with KV kept in a lower tier, of this worker or (`remote_address`
+    set) of another worker's, fetched over the KV-transfer path. Loads run alongside the plan's
+    forward pass (their blocks belong to no request scheduled in it); the plan's result says
+    which loads completed (`ModelRunnerOutput.kv_loads_done`) and which failed."""
+
+    load_id: int
+    block_ids: list[int]  # [n] device blocks to fill
+    src_tier: str
+    src: list[int]  # [n] blocks or slots of src_tier at the source
+    remote_address: str = ""  # host:port of the source worker's KV-transfer server
+    remote_instance_id: str = ""  # the source must be this instance (its KV is per process)
+
+
 class BatchPlan(msgspec.Struct, kw_only=True):
     """One step's schedule for one worker (vLLM's SchedulerOutput)."""
 
@@ -65,6 +98,8 @@ class BatchPlan(msgspec.Struct, kw_only=True):
     # tells the worker to drop all request state before executing it.
     scheduler_epoch: str = ""
     worker_session: str = ""
+    kv_copies: list[KVCopy] = []
+    kv_loads: list[KVLoad] = []
     version: int = PROTOCOL_VERSION
 
 
@@ -96,6 +131,15 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # How long the worker sat idle waiting for this plan after its previous step (0 when the
     # plan was already queued): the device time the scheduler's round trip cost.
     idle_s: float = 0.0
+    # The plan's KVLoads, by load_id: completed, or failed (source gone, checksum mismatch,
+    # I/O error: the scheduler recomputes those blocks)
+    kv_loads_done: list[int] = []
+    kv_loads_failed: list[int] = []
+    kv_load_bytes: int = 0  # bytes the plan's loads moved
+    kv_load_s: float = 0.0  # and the time they took
+    # Lower-tier slots whose content is lost (a failed disk write, a checksum mismatch), by
+    # tier: the scheduler drops them from its index
+    kv_lost: dict[str, list[int]] = {}
     version: int = PROTOCOL_VERSION
 
 
@@ -186,6 +230,10 @@ class SchedulerHeartbeat(msgspec.Struct, kw_only=True):
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     leaving: bool = False
+    # Prefix-aware shard routing: the shard's KV block size and a summary of the block hashes
+    # its workers hold in any tier (shared/prefix_summary.py; empty: none)
+    block_size: int = 0
+    prefix_summary: bytes = b""
     version: int = PROTOCOL_VERSION
 
 
@@ -256,6 +304,13 @@ class WorkerHello(msgspec.Struct, kw_only=True):
     eos_token_ids: list[int] = []
     step_id: int = -1
     progress: int = 0
+    # Lower KV tiers (0: off) and the size of one block in them (all layers, K and V)
+    num_host_blocks: int = 0
+    num_disk_blocks: int = 0
+    kv_block_bytes: int = 0
+    # host:port of the worker's KV-transfer server, where other workers fetch its blocks
+    # ("": none)
+    kv_transfer_address: str = ""
     version: int = PROTOCOL_VERSION
 
 

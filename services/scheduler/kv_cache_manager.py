@@ -2,34 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterator
-
-import msgspec
-
 from services.scheduler.block_pool import BlockPool, KVBlock
 from services.scheduler.request import Request
 from shared.arith import cdiv
-
-_ROOT_HASH = b"skiff-prefix-root"
-
-
-def hash_block(
-    parent_hash: bytes, token_ids: list[int], extra_keys: tuple[object, ...] = ()
-) -> bytes:
-    """Chained hash of one full block: (parent hash, its tokens, extra keys)."""
-    payload = msgspec.msgpack.encode((parent_hash, token_ids, extra_keys))
-    return hashlib.sha256(payload).digest()
-
-
-def iter_block_hashes(
-    token_ids: list[int], block_size: int, start_block: int = 0, parent_hash: bytes = _ROOT_HASH
-) -> Iterator[bytes]:
-    """Chained hashes of the full blocks of `token_ids` from block `start_block` on, whose
-    predecessor hashed to `parent_hash`; lazily, so a lookup can stop at its first miss."""
-    for start in range(start_block * block_size, len(token_ids) - block_size + 1, block_size):
-        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size])
-        yield parent_hash
+from shared.prefix_hash import ROOT_HASH, iter_block_hashes
 
 
 class KVCacheManager:
@@ -60,7 +36,7 @@ class KVCacheManager:
     def block_hashes(self, request: Request) -> list[bytes]:
         """Hashes of the request's full blocks, extended incrementally as tokens arrive."""
         hashes = self.req_block_hashes.setdefault(request.req_id, [])
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else ROOT_HASH
         hashes.extend(
             iter_block_hashes(request.all_token_ids, self.block_size, len(hashes), parent)
         )
