@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from services.scheduler.block_pool import BlockPool, KVBlock
 from services.scheduler.request import Request
 from shared.arith import cdiv
@@ -125,6 +127,10 @@ class KVCacheManager:
         """Drop all state of a finished request."""
         self.free(request)
         self.req_block_hashes.pop(request.req_id, None)
+
+    def resident_block_hashes(self) -> Iterator[bytes]:
+        """The hashes of every block this worker holds, in any tier."""
+        yield from self.pool.cached
 
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request.req_id, [])]
