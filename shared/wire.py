@@ -267,6 +267,12 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     kv_cache_usage: float
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which found cached
+    # Lower KV tiers: prompt tokens loaded from them by origin (host, disk, remote), their
+    # slots and slots in use by tier, and blocks the worker reported lost (cumulative)
+    kv_tier_hits: dict[str, int] = {}
+    kv_tier_blocks: dict[str, int] = {}
+    kv_tier_used_blocks: dict[str, int] = {}
+    kv_tier_blocks_lost: int = 0
     statuses: dict[str, str] = {}
     healthy: bool = True
 

@@ -6,12 +6,13 @@ from collections import OrderedDict
 
 
 class KVBlock:
-    __slots__ = ("block_hash", "block_id", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "ready_step", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None  # set once the block is full and cached
+        self.ready_step = -1  # the plan that computes (or loads) its cached content
 
     def __repr__(self) -> str:
         return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
@@ -62,19 +63,25 @@ class BlockPool:
             out.append(block)
         return out
 
-    def free(self, blocks: list[KVBlock]) -> None:
+    def free(self, blocks: list[KVBlock]) -> list[KVBlock]:
         """Drop one reference each; blocks reaching zero join the free list's young end in the
-        order given (callers pass a request's tail first so tails are evicted before heads)."""
+        order given (callers pass a request's tail first so tails are evicted before heads).
+        Returns the blocks that became free."""
+        freed: list[KVBlock] = []
         for block in blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, block
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = None
+                freed.append(block)
+        return freed
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+    def cache_block(self, block: KVBlock, block_hash: bytes, ready_step: int) -> None:
+        """Make a full block findable by hash; plan `ready_step` computes its content."""
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
+        block.ready_step = ready_step
         self.cached.setdefault(block_hash, block)
 
     def uncache(self, block: KVBlock) -> None:

@@ -1,10 +1,12 @@
-"""Per-request KV block bookkeeping with prefix caching by chained block hashes."""
+"""Per-request KV block bookkeeping with prefix caching by chained block hashes, over a
+worker's device pool and its lower tiers."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from services.scheduler.block_pool import BlockPool, KVBlock
+from services.scheduler.kv_tiers import LowerTiers
 from services.scheduler.request import Request
 from shared.arith import cdiv
 from shared.prefix_hash import ROOT_HASH, iter_block_hashes
@@ -13,14 +15,23 @@ from shared.prefix_hash import ROOT_HASH, iter_block_hashes
 class KVCacheManager:
     """Maps requests to blocks of a BlockPool and keeps full blocks findable by hash."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        tiers: LowerTiers | None = None,
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
+        # the worker's host and disk tiers (none without prefix caching)
+        self.tiers = tiers if tiers is not None and enable_caching else LowerTiers(0, 0)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_block_hashes: dict[str, list[bytes]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request registered
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached
+        self.step_id = 0  # the plan being built: blocks cached now are computed by it
 
     @property
     def num_blocks(self) -> int:
@@ -105,8 +116,31 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(request)
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+            self.pool.cache_block(blocks[i], hashes[i], self.step_id)
         self.num_cached_blocks[request.req_id] = num_full
+
+    def allocate_for_load(
+        self, request: Request, computed_blocks: list[KVBlock], num_load_blocks: int
+    ) -> list[KVBlock] | None:
+        """The blocks of a request whose prefix continues in lower tiers: its prefix-cache hits
+        and `num_load_blocks` new blocks to load that prefix into (cached only once loaded,
+        by `commit_loaded`). Returns the new blocks, or None if the pool is too small."""
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_load_blocks > self.pool.num_free_blocks - num_evictable_hits:
+            return None
+        self.pool.touch(computed_blocks)
+        new_blocks = self.pool.allocate(num_load_blocks)
+        self.req_blocks[request.req_id] = computed_blocks + new_blocks
+        self.num_cached_blocks[request.req_id] = len(computed_blocks)
+        return new_blocks
+
+    def commit_loaded(self, request: Request, ready_step: int) -> None:
+        """The request's loaded blocks hold their KV (plan `ready_step` loaded them): make
+        them findable by hash."""
+        step, self.step_id = self.step_id, ready_step
+        blocks = self.req_blocks[request.req_id]
+        self._cache_full_blocks(request, blocks, len(blocks) * self.block_size)
+        self.step_id = step
 
     def uncache_from(self, request: Request, num_tokens: int) -> None:
         """Take the request's blocks from the one holding token `num_tokens` on out of the
@@ -118,10 +152,15 @@ class KVCacheManager:
         self.num_cached_blocks[request.req_id] = min(start, num_cached)
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, keeping their hashes for reuse."""
+        """Release the request's blocks, tail first, keeping their hashes for reuse. Cached
+        blocks no request holds any more are written down to the host tier, tail first, so
+        that the head of a prefix, which every longer prefix needs, stays there longest."""
         blocks = self.req_blocks.pop(request.req_id, [])
-        self.pool.free(list(reversed(blocks)))
+        freed = self.pool.free(list(reversed(blocks)))
         self.num_cached_blocks.pop(request.req_id, None)
+        if self.tiers.enabled:
+            idle = [(b.block_id, b.block_hash) for b in freed if b.block_hash is not None]
+            self.tiers.offload(idle, self.step_id)
 
     def forget(self, request: Request) -> None:
         """Drop all state of a finished request."""
@@ -131,6 +170,7 @@ class KVCacheManager:
     def resident_block_hashes(self) -> Iterator[bytes]:
         """The hashes of every block this worker holds, in any tier."""
         yield from self.pool.cached
+        yield from self.tiers.hashes()
 
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request.req_id, [])]

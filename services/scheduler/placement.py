@@ -54,8 +54,9 @@ class Placement:
 
     def evacuate(self, worker: WorkerHandle) -> list[Request]:
         """Forget the placements on a worker whose state is gone; returns its unfinished
-        requests."""
-        survivors = [*worker.core.running, *worker.core.waiting]
+        requests (the pins its prefix loads hold on other workers are released)."""
+        survivors = worker.core.unfinished_requests()
+        worker.core.loads.cancel_all()
         for request in survivors:
             self.worker_of.pop(request.req_id, None)
         return survivors

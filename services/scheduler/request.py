@@ -12,6 +12,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_KV = "waiting_for_kv"  # its prefix is being loaded from a lower KV tier
     FINISHED = "finished"
 
 
@@ -46,6 +47,7 @@ class Request:
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
+        self.num_load_failures = 0  # prefix loads that failed: it computes its prefix then
         # Stalls and lost workers while a step of it was in flight, over its placements
         self.num_failures = 0
         self.finish_reason: FinishReason | None = None

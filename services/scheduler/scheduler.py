@@ -11,6 +11,11 @@ with "priority" they wait in (priority, arrival time) order, lower first, and th
 request with the largest (priority, arrival time) is preempted, even one already scheduled in
 this step, which gives its tokens back.
 
+Lower KV tiers (services/scheduler/kv_tiers.py): blocks freed by their last request are written
+down to the worker's host tier by copies the next plan carries; a waiting request whose prefix
+continues in a lower tier, or on another worker, has it loaded back first (kv_loads.py) and is
+admitted once the worker reports the load.
+
 Async scheduling: a request that samples in a step gets an output placeholder, so the next
 plan can be built before the step's result arrives (the worker feeds in its own sampled
 token); `update` fills placeholders with the real tokens and runs the stop checks.
@@ -20,19 +25,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.scheduler.block_pool import KVBlock
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.prefill_pacer import PrefillPacer
+from services.scheduler.kv_loads import KVLoads, LoadJob, RemoteKV, find_sources, release
+from services.scheduler.kv_tiers import LowerTiers
+from services.scheduler.prefill_pacer import SMOOTHING, PrefillPacer
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.request_queue import create_request_queue
 from shared.config import SchedulerConfig
+from shared.prefix_hash import iter_block_hashes
 from shared.wire import (
     BatchPlan,
     CachedRequestData,
+    KVLoad,
     ModelRunnerOutput,
     NewRequestData,
     TokenLogprobs,
     WorkerStats,
 )
+
+DEFAULT_KV_LOAD_BPS = 1e9  # load bandwidth assumed until a load was measured, bytes/s
+MIN_LOAD_WINDOW_S = 0.02  # a plan's loads may take this long at least, beyond the first
 
 
 @dataclass
@@ -51,7 +64,9 @@ class RequestOutput:
 class Scheduler:
     """`timed_steps`: the worker reports each step's time (a served worker does; the offline
     engine does not), so a long prefill's first chunk, before any step was timed, is cut to the
-    long-prefill threshold instead of taking the whole budget."""
+    long-prefill threshold instead of taking the whole budget. `tiers`: the worker's lower KV
+    tiers, whose blocks are `kv_block_bytes` each; `remote` (set by the worker pool): the
+    blocks the other workers hold."""
 
     def __init__(
         self,
@@ -60,12 +75,21 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         *,
         timed_steps: bool = False,
+        tiers: LowerTiers | None = None,
+        kv_block_bytes: int = 0,
     ) -> None:
         self.config = config
         self.timed_steps = timed_steps
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, tiers)
+        self.kv_block_bytes = kv_block_bytes
+        self.remote: RemoteKV | None = None
+        self.loads = KVLoads()
+        self.kv_load_bps = DEFAULT_KV_LOAD_BPS  # measured from the worker's loads
+        self.last_result_step = -1  # the latest step whose result came back
+        self.tier_hits: dict[str, int] = {}  # prompt tokens loaded, by origin
+        self.num_tier_blocks_lost = 0
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.scheduling_policy)
         self.num_waiting_tokens = 0  # tokens of the waiting requests, as counted when queued
@@ -104,7 +128,10 @@ class Scheduler:
         return aborted
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loads)
+
+    def unfinished_requests(self) -> list[Request]:
+        return [*self.running, *self.waiting, *self.loads.requests()]
 
     @property
     def max_plans_in_flight(self) -> int:
@@ -119,21 +146,34 @@ class Scheduler:
         return self.kv.num_blocks - self.kv.num_free_blocks
 
     def num_uncached_blocks(self, token_ids: list[int]) -> int:
-        """Full blocks of `token_ids`, in this worker's block size, its prefix cache lacks."""
+        """Full blocks of `token_ids`, in this worker's block size, not in the prefix cache of
+        any of its tiers."""
         num_full = len(token_ids) // self.kv.block_size
-        return num_full - self.kv.num_cached_prefix_blocks(token_ids)
+        if not self.kv.tiers.enabled:
+            return num_full - self.kv.num_cached_prefix_blocks(token_ids)
+        pool, tiers, num_hits = self.kv.pool, self.kv.tiers, 0
+        for block_hash in iter_block_hashes(token_ids, self.kv.block_size):
+            if pool.get_cached_block(block_hash) is None and tiers.lookup(block_hash) is None:
+                break
+            num_hits += 1
+        return num_full - num_hits
 
     def make_stats(self) -> WorkerStats:
         """A snapshot of this worker's load, blocks and cumulative counters."""
+        tiers = self.kv.tiers
         return WorkerStats(
             num_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.num_free_blocks,
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.loads),
             num_preemptions=self.num_preemptions,
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
+            kv_tier_hits=dict(self.tier_hits),
+            kv_tier_blocks={t.tier: t.num_slots for t in (tiers.host, tiers.disk)},
+            kv_tier_used_blocks={t.tier: len(t) for t in (tiers.host, tiers.disk)},
+            kv_tier_blocks_lost=self.num_tier_blocks_lost,
         )
 
     def request_statuses(self) -> dict[str, str]:
@@ -147,12 +187,14 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: list[Request] = []
+        kv_loads: list[KVLoad] = []
         self._long_prefill_s = None
+        self.kv.step_id = self.step_id
         budget = self._schedule_running(
             self.config.max_num_batched_tokens, num_scheduled, cached_reqs, preempted
         )
         if not preempted:
-            budget = self._admit_waiting(budget, num_scheduled, new_reqs, cached_reqs)
+            budget = self._admit_waiting(budget, num_scheduled, new_reqs, cached_reqs, kv_loads)
 
         plan = BatchPlan(
             step_id=self.step_id,
@@ -162,6 +204,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=[r.req_id for r in preempted],
+            kv_copies=self.kv.tiers.take_copies(),
+            kv_loads=kv_loads,
         )
         self.finished_req_ids = []
         self.pacer.record(
@@ -290,10 +334,20 @@ class Scheduler:
         num_scheduled: dict[str, int],
         new_reqs: list[NewRequestData],
         cached_reqs: list[CachedRequestData],
+        kv_loads: list[KVLoad],
     ) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if self.kv.req_blocks.get(request.req_id):  # its prefix was loaded
+                hits: list[KVBlock] = []
+                num_hit_tokens = request.num_computed_tokens
+            else:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+                loading = self._load_prefix(request, hits, kv_loads)
+                if loading:
+                    continue
+                if loading is not None:
+                    break  # no room or time for its loads in this step
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             num_new = self._pace(request, num_new, num_scheduled)
             if num_new <= 0:
@@ -305,11 +359,12 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+            block_ids = self.kv.block_ids(request)  # loaded ones included
             if request.status == RequestStatus.PREEMPTED:
                 cached_reqs.append(
                     CachedRequestData(
                         req_id=request.req_id,
-                        new_block_ids=new_block_ids,
+                        new_block_ids=block_ids,
                         num_computed_tokens=num_hit_tokens,
                         resumed=True,
                     )
@@ -321,7 +376,7 @@ class Scheduler:
                         prompt_token_ids=request.prompt_token_ids,
                         output_token_ids=list(request.output_token_ids),  # a snapshot
                         sampling_params=request.sampling_params,
-                        block_ids=new_block_ids,
+                        block_ids=block_ids,
                         num_computed_tokens=num_hit_tokens,
                     )
                 )
@@ -331,6 +386,84 @@ class Scheduler:
             self._advance(request, num_new)
             budget -= num_new
         return budget
+
+    def _load_prefix(
+        self, request: Request, hits: list[KVBlock], kv_loads: list[KVLoad]
+    ) -> bool | None:
+        """Start loading the part of the request's prefix after its device hits `hits` that
+        lower tiers hold: True when its loads join this plan (it leaves the queue until they
+        are reported), False when they do not fit in this step, None when there is nothing to
+        load."""
+        if not self.kv.tiers.enabled and self.remote is None:
+            return None
+        if request.num_load_failures or request.sampling_params.prompt_logprobs is not None:
+            return None  # recompute after a failed load; prompt logprobs need the prompt run
+        max_blocks = (request.num_tokens - 1) // self.kv.block_size
+        hashes = self.kv.block_hashes(request)[len(hits) : max_blocks]
+        if not hashes:
+            return None
+        remote = self.remote if self._remote_pays() else None
+        sources = find_sources(self.kv.tiers, remote, hashes)
+        if not sources:
+            return None
+        num_bytes = len(sources) * self.kv_block_bytes
+        planned = sum(len(load.block_ids) for load in kv_loads) * self.kv_block_bytes
+        blocks = None
+        if not kv_loads or planned + num_bytes <= self._load_window_bytes():
+            blocks = self.kv.allocate_for_load(request, hits, len(sources))
+        if blocks is None:
+            release(sources)
+            return False
+        self._dequeue(self.waiting.pop())
+        job = LoadJob(
+            request,
+            sources,
+            set(),
+            (len(hits) + len(sources)) * self.kv.block_size,
+            request.status == RequestStatus.PREEMPTED,
+            self.step_id,
+        )
+        kv_loads.extend(self.loads.start(job, blocks))
+        request.status = RequestStatus.WAITING_FOR_KV
+        return True
+
+    def _remote_pays(self) -> bool:
+        """Whether fetching a block from another worker beats computing it (unknown until a
+        prefill was timed: then it is assumed to)."""
+        if self.remote is None:
+            return False
+        token_s = self.pacer.last_token_s
+        fetch_s = self.kv_block_bytes / self.kv_load_bps
+        return token_s <= 0.0 or fetch_s < token_s * self.kv.block_size
+
+    def _load_window_bytes(self) -> float:
+        """The bytes a plan's loads may move beyond the first request's: what the measured
+        bandwidth moves in a decode step, so that loads never hold back a step's result."""
+        return self.kv_load_bps * max(self.pacer.decode_s, MIN_LOAD_WINDOW_S)
+
+    def _loads_reported(self, output: ModelRunnerOutput) -> None:
+        """Admit the requests whose loads completed; send those with a failed load back to
+        compute their prefix."""
+        if output.kv_load_s > 0.0 and output.kv_load_bytes:
+            bps = output.kv_load_bytes / output.kv_load_s
+            self.kv_load_bps += SMOOTHING * (bps - self.kv_load_bps)
+        for job in self.loads.reported(output.kv_loads_done, output.kv_loads_failed):
+            request = job.request
+            request.status = RequestStatus.PREEMPTED if job.was_preempted else RequestStatus.WAITING
+            if job.failed:
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.num_load_failures += 1
+            else:
+                self.kv.commit_loaded(request, job.plan_step)
+                request.num_computed_tokens = job.num_computed_tokens
+                for source in job.sources:
+                    self.tier_hits[source.origin] = (
+                        self.tier_hits.get(source.origin, 0) + self.kv.block_size
+                    )
+            self._enqueue(request, preempted=True)
+        for tier, slots in output.kv_lost.items():
+            self.num_tier_blocks_lost += self.kv.tiers.lost(tier, slots)
 
     def _enqueue(self, request: Request, preempted: bool = False) -> None:
         if preempted:
@@ -362,6 +495,9 @@ class Scheduler:
         token from this step is dropped. One preempted after it was planned keeps its token.
         """
         self.pacer.observe(output)
+        self.last_result_step = max(self.last_result_step, output.step_id)
+        if output.kv_loads_done or output.kv_loads_failed or output.kv_lost:
+            self._loads_reported(output)
         outputs: list[RequestOutput] = []
         requests, logprobs = self.requests, output.logprobs
         prompt_logprobs_of = output.prompt_logprobs
@@ -420,6 +556,10 @@ class Scheduler:
             self._dequeue(request)
             if request.status == RequestStatus.PREEMPTED:
                 self.finished_req_ids.append(request.req_id)
+        elif request.status == RequestStatus.WAITING_FOR_KV:
+            job = self.loads.cancel(request.req_id)
+            if job is not None and job.was_preempted:
+                self.finished_req_ids.append(request.req_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv.forget(request)
@@ -428,5 +568,12 @@ class Scheduler:
 
 
 def plan_has_work(plan: BatchPlan) -> bool:
-    """Whether a plan must reach the worker: tokens to run or request state to drop."""
-    return bool(plan.num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids)
+    """Whether a plan must reach the worker: tokens to run, request state to drop or KV to
+    copy or load."""
+    return bool(
+        plan.num_scheduled_tokens
+        or plan.finished_req_ids
+        or plan.preempted_req_ids
+        or plan.kv_copies
+        or plan.kv_loads
+    )

@@ -8,6 +8,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from services.scheduler.fleet_kv import FleetKV
+from services.scheduler.kv_tiers import LowerTiers
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from shared.config import SchedulerConfig
@@ -64,7 +66,16 @@ class WorkerPool:
             max_model_len=min(self.config.max_model_len, hello.max_model_len),
             block_size=hello.block_size,
         )
-        core = Scheduler(config, hello.num_blocks, tuple(hello.eos_token_ids), timed_steps=True)
+        core = Scheduler(
+            config,
+            hello.num_blocks,
+            tuple(hello.eos_token_ids),
+            timed_steps=True,
+            tiers=LowerTiers(hello.num_host_blocks, hello.num_disk_blocks),
+            kv_block_bytes=hello.kv_block_bytes,
+        )
+        if config.enable_prefix_caching:
+            core.remote = FleetKV(hello.worker_id, self._peers)
         if old is not None:  # step ids keep rising, so a late result of the old core is ignored
             core.step_id = old.core.step_id + 1
         handle = WorkerHandle(hello, core)
@@ -72,6 +83,10 @@ class WorkerPool:
             handle.healthy = old.healthy
         self.workers[hello.worker_id] = handle
         return handle, old
+
+    def _peers(self) -> list[tuple[WorkerHello, Scheduler]]:
+        """The healthy workers, whose blocks others may fetch."""
+        return [(w.hello, w.core) for w in self.workers.values() if w.healthy]
 
     def remove(self, worker_id: str) -> WorkerHandle | None:
         return self.workers.pop(worker_id, None)

@@ -170,7 +170,7 @@ def test_lru_eviction_oldest_freed_first():
     pool = BlockPool(4)
     a, b = pool.allocate(2), pool.allocate(2)
     for i, blk in enumerate(a + b):
-        pool.cache_block(blk, bytes([i]))
+        pool.cache_block(blk, bytes([i]), 0)
     pool.free(a)  # freed first -> evicted first
     pool.free(b)
     taken = pool.allocate(2)
@@ -182,7 +182,7 @@ def test_lru_eviction_oldest_freed_first():
 def test_touching_a_hit_protects_it_from_eviction():
     pool = BlockPool(3)
     blocks = pool.allocate(3)
-    pool.cache_block(blocks[0], b"x")
+    pool.cache_block(blocks[0], b"x", 0)
     pool.free(blocks)
     pool.touch([blocks[0]])
     assert blocks[0].ref_cnt == 1 and pool.num_free_blocks == 2
