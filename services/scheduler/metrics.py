@@ -14,6 +14,7 @@ class SchedulerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self._add_vllm_metrics(model_name)
+        self._add_kv_tier_metrics()
         self._add_liveness_metrics()
         self._add_step_metrics()
 
@@ -38,12 +39,50 @@ class SchedulerMetrics:
         self.preemptions = Counter(
             "vllm:num_preemptions", "Cumulative preemptions.", labels, registry=r
         ).labels(model_name)
+        # vLLM's counters of prefix hits outside the device cache (its KV connectors)
+        self.external_prefix_queries = Counter(
+            "vllm:external_prefix_cache_queries",
+            "Prompt tokens looked up in the lower KV tiers and on other workers.",
+            labels,
+            registry=r,
+        ).labels(model_name)
+        self.external_prefix_hits = Counter(
+            "vllm:external_prefix_cache_hits",
+            "Prompt tokens loaded from the lower KV tiers or other workers.",
+            labels,
+            registry=r,
+        ).labels(model_name)
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds",
             "Time requests spent waiting before first scheduled.",
             labels,
             registry=r,
         ).labels(model_name)
+
+    def _add_kv_tier_metrics(self) -> None:
+        """The lower KV tiers of every worker, as the scheduler indexes them."""
+        r = self.registry
+        self.kv_tier_hits = Counter(
+            "skiff_kv_tier_hits",
+            "Prompt tokens loaded instead of computed, by origin: the worker's host or disk "
+            "tier, or another worker (remote).",
+            ["origin"],
+            registry=r,
+        )
+        for origin in ("host", "disk", "remote"):
+            self.kv_tier_hits.labels(origin)
+        self.kv_tier_usage = Gauge(
+            "skiff_kv_tier_usage",
+            "Fraction of a worker's lower-tier slots holding a block.",
+            ["worker_id", "tier"],
+            registry=r,
+        )
+        self.kv_tier_blocks_lost = Counter(
+            "skiff_kv_tier_blocks_lost",
+            "Lower-tier blocks a worker reported lost (failed disk write, checksum mismatch): "
+            "their prefixes are computed again.",
+            registry=r,
+        )
 
     def _add_liveness_metrics(self) -> None:
         """Workers, gateways and the requests their failures move or end."""
