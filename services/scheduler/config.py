@@ -13,6 +13,7 @@ from shared.config import (
     NatsClientConfig,
     check_positive,
 )
+from shared.prefix_summary import DEFAULT_MAX_BYTES, MIN_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,11 @@ class SchedulerServiceConfig(NatsClientConfig):
     served_model_name: str = setting("", "label of the vllm:* metrics")
     max_waiting: int = setting(1024, "queued requests beyond this are refused with 429")
     heartbeat_interval: float = setting(0.5, "seconds between scheduler heartbeats")
+    prefix_summary_max_bytes: int = setting(
+        DEFAULT_MAX_BYTES,
+        "size cap of the summary of the workers' KV blocks in each heartbeat, by which "
+        "gateways route a prompt to the shard holding its longest prefix",
+    )
     worker_timeout: float = setting(5.0, "a worker silent this long is declared lost")
     step_timeout: float = setting(
         20.0,
@@ -78,6 +84,8 @@ class SchedulerServiceConfig(NatsClientConfig):
     def __post_init__(self) -> None:
         check_positive(self, "max_waiting")
         check_positive(self, "max_request_failures")
+        if self.prefix_summary_max_bytes < MIN_MAX_BYTES:
+            raise ValueError(f"prefix_summary_max_bytes must be >= {MIN_MAX_BYTES}")
         timeouts = (self.worker_timeout, self.step_timeout, self.gateway_timeout)
         if min(self.heartbeat_interval, *timeouts) <= 0:
             raise ValueError("heartbeat interval and timeouts must be > 0")

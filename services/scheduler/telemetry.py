@@ -8,24 +8,35 @@ from prometheus_client import Counter
 
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import Placement
+from services.scheduler.prefix_summaries import pool_prefix_summary
 from services.scheduler.worker_pool import WorkerPool
+from shared.prefix_summary import DEFAULT_MAX_BYTES
 from shared.wire import SchedulerHeartbeat, SchedulerStats, WorkerStats
 
 
 class Telemetry:
     def __init__(
-        self, epoch: str, pool: WorkerPool, placement: Placement, metrics: SchedulerMetrics
+        self,
+        epoch: str,
+        pool: WorkerPool,
+        placement: Placement,
+        metrics: SchedulerMetrics,
+        prefix_summary_max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.epoch = epoch
         self.pool = pool
         self.placement = placement
         self.metrics = metrics
+        self.prefix_summary_max_bytes = prefix_summary_max_bytes
         self._counted: dict[Counter, int] = {}  # totals already added to each counter
 
     def heartbeat(self, leaving: bool = False) -> SchedulerHeartbeat:
         """Ready workers are the healthy ones; a leaving scheduler reports none, so gateways
-        stop sending to it."""
+        stop sending to it (nor a prefix summary)."""
         stats = list(self.pool.make_stats().values())
+        block_size, summary = (
+            (0, b"") if leaving else pool_prefix_summary(self.pool, self.prefix_summary_max_bytes)
+        )
         return SchedulerHeartbeat(
             epoch=self.epoch,
             num_ready_workers=0 if leaving else self.pool.num_healthy,
@@ -35,6 +46,8 @@ class Telemetry:
             num_waiting=self._num_waiting(stats),
             kv_cache_usage=max((s.kv_cache_usage for s in stats), default=0.0),
             leaving=leaving,
+            block_size=block_size,
+            prefix_summary=summary,
         )
 
     def stats(self, num_orphans_aborted: int = 0) -> SchedulerStats:

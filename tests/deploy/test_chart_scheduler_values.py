@@ -32,6 +32,7 @@ NOT_IN_CHART = {
     "SKIFF_ENABLE_PREFIX_CACHING": "scheduler.prefixCaching, as --no-enable-prefix-caching",
     "SKIFF_ASYNC_SCHEDULING": "always on in a deployment (two plans in flight per worker)",
     "SKIFF_HEARTBEAT_INTERVAL": "a protocol timing, kept at the services' default",
+    "SKIFF_PREFIX_SUMMARY_MAX_BYTES": "a protocol size, kept at the services' default",
     "SKIFF_GATEWAY_TIMEOUT": "a protocol timing, kept at the services' default",
     "SKIFF_STEP_TIMEOUT": "a protocol timing, kept at the services' default",
     "SKIFF_STEP_TIMEOUT_PER_TOKEN": "a protocol timing, kept at the services' default",
