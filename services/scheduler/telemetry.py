@@ -64,7 +64,8 @@ class Telemetry:
         )
 
     def refresh_gauges(self) -> None:
-        m, stats = self.metrics, list(self.pool.make_stats().values())
+        by_worker = self.pool.make_stats()
+        m, stats = self.metrics, list(by_worker.values())
         m.running.set(sum(s.num_running for s in stats))
         m.waiting.set(self._num_waiting(stats))
         m.kv_usage.set(max((s.kv_cache_usage for s in stats), default=0.0))
@@ -73,7 +74,24 @@ class Telemetry:
             m.prefix_queries: sum(s.prefix_cache_queries for s in stats),
             m.prefix_hits: sum(s.prefix_cache_hits for s in stats),
             m.preemptions: sum(s.num_preemptions for s in stats),
+            m.kv_tier_blocks_lost: sum(s.kv_tier_blocks_lost for s in stats),
         }
+        for origin in ("host", "disk", "remote"):
+            hits = m.kv_tier_hits.labels(origin)
+            totals[hits] = sum(s.kv_tier_hits.get(origin, 0) for s in stats)
+        # a worker's lookups below its device cache: the prompt tokens its device cache missed
+        tier_hits = sum(sum(s.kv_tier_hits.values()) for s in stats)
+        totals[m.external_prefix_hits] = tier_hits
+        totals[m.external_prefix_queries] = sum(
+            s.prefix_cache_queries - s.prefix_cache_hits
+            for s in stats
+            if any(s.kv_tier_blocks.values())
+        )
+        for wid, s in by_worker.items():
+            for tier, num_slots in s.kv_tier_blocks.items():
+                if num_slots:
+                    used = s.kv_tier_used_blocks.get(tier, 0)
+                    m.kv_tier_usage.labels(wid, tier).set(used / num_slots)
         for counter, total in totals.items():  # counters follow totals kept by the cores
             counted = self._counted.get(counter, 0)
             counter.inc(max(total - counted, 0))
