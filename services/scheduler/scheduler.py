@@ -391,9 +391,9 @@ class Scheduler:
         self, request: Request, hits: list[KVBlock], kv_loads: list[KVLoad]
     ) -> bool | None:
         """Start loading the part of the request's prefix after its device hits `hits` that
-        lower tiers hold: True when its loads join this plan (it leaves the queue until they
-        are reported), False when they do not fit in this step, None when there is nothing to
-        load."""
+        lower tiers hold, as much of it as free blocks can take: True when its loads join this
+        plan (it leaves the queue until they are reported), False when they do not fit in this
+        step's load window, None when there is nothing to load."""
         if not self.kv.tiers.enabled and self.remote is None:
             return None
         if request.num_load_failures or request.sampling_params.prompt_logprobs is not None:
@@ -404,16 +404,18 @@ class Scheduler:
             return None
         remote = self.remote if self._remote_pays() else None
         sources = find_sources(self.kv.tiers, remote, hashes)
+        room = self.kv.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
+        release(sources[max(room, 0) :])  # load what fits now; the rest is computed
+        sources = sources[: max(room, 0)]
         if not sources:
             return None
         num_bytes = len(sources) * self.kv_block_bytes
         planned = sum(len(load.block_ids) for load in kv_loads) * self.kv_block_bytes
-        blocks = None
-        if not kv_loads or planned + num_bytes <= self._load_window_bytes():
-            blocks = self.kv.allocate_for_load(request, hits, len(sources))
-        if blocks is None:
+        if kv_loads and planned + num_bytes > self._load_window_bytes():
             release(sources)
             return False
+        blocks = self.kv.allocate_for_load(request, hits, len(sources))
+        assert blocks is not None  # they fit
         self._dequeue(self.waiting.pop())
         job = LoadJob(
             request,
