@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.gateway.shards import ROUTINGS
 from services.gateway.tool_parsers import TOOL_PARSERS
 from shared.cli_args import setting
 from shared.config import DEFAULT_LOG_LEVEL, DEFAULT_SUBJECT_PREFIX, NatsClientConfig
@@ -20,6 +21,17 @@ class GatewayConfig(NatsClientConfig):
 
     subject_prefix: str = setting(DEFAULT_SUBJECT_PREFIX, "prefix of every NATS subject")
     scheduler_shards: int = setting(1, "scheduler shards to spread requests over")
+    shard_routing: str = setting(
+        "prefix",
+        "prefix: a request goes to the shard whose workers hold the longest prefix of its "
+        "prompt (by the summary in each shard's heartbeat), else by load; load: to the shard "
+        "with the fewest requests per ready worker",
+    )
+    shard_routing_max_imbalance: float = setting(
+        4.0,
+        "prefix routing goes by load instead when the shard holding the longest prefix has "
+        "this many more requests per ready worker than the least loaded shard",
+    )
     host: str = setting("127.0.0.1", "HTTP listen address (0.0.0.0: every interface)")
     port: int = setting(8000, "HTTP port")
     model_dir: str | None = setting(
@@ -62,6 +74,10 @@ class GatewayConfig(NatsClientConfig):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.scheduler_shards < 1:
             raise ValueError("scheduler_shards must be >= 1")
+        if self.shard_routing not in ROUTINGS:
+            raise ValueError(f"shard_routing must be prefix or load, got {self.shard_routing!r}")
+        if self.shard_routing_max_imbalance < 0:
+            raise ValueError("shard_routing_max_imbalance must be >= 0")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
         if min(self.drain_timeout, self.model_wait_timeout, self.keepalive_interval) < 0:

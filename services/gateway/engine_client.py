@@ -60,7 +60,11 @@ class NatsEngineClient:
         shard's heartbeat while in flight)."""
         self.gateway_id = config.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         self.shards = Shards(
-            config.subject_prefix, config.scheduler_shards, config.heartbeat_timeout
+            config.subject_prefix,
+            config.scheduler_shards,
+            config.heartbeat_timeout,
+            config.shard_routing,
+            config.shard_routing_max_imbalance,
         )
         self.transport = NatsTransport(
             config.nats_url,

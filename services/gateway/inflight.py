@@ -1,20 +1,20 @@
 """The gateway's in-flight requests: placing them on scheduler shards, routing deltas to their
 streams, and moving requests whose deltas may have been lost.
 
-A new request goes to the least loaded available shard (`Shards.choose`); a shard that answers
-429 hands it to the next one, once. While no shard is available, or they answer 503 (not ready,
-gone), it waits for the next heartbeat and tries again, for up to `resubmit_timeout`: a
-scheduler that restarts or hands over to the next one delays new requests, it does not fail
-them. Every in-flight request remembers its shard and the
-tokens it received. When its shard's scheduler restarts (new epoch), or for every request when
-our own NATS connection comes back or NATS drops messages for us, a request accepted by a shard
-*moves*: its engine id is dropped and aborted on its shard, and it is resubmitted to the least
-loaded shard under a fresh id (`<req_id>.<attempt>`, fresh for every try) as a continuation
-carrying `output_token_ids`, so the client's stream goes on. A fresh id means no scheduler ever
-sees the same id twice and no request is held by two shards: late deltas of an old id are
-simply not routed. A shard whose scheduler announces that it is leaving moves its requests at
-once. If a shard sends no heartbeat for `orphan_timeout` seconds, the streams of its requests
-fail with 503.
+A new request goes to the available shard `Shards.route` picks (by prompt prefix, else load); a
+shard that answers 429 hands it to the next one, once. While no shard is available, or they
+answer 503 (not ready, gone), it waits for the next heartbeat and tries again, for up to
+`resubmit_timeout`: a scheduler that restarts or hands over to the next one delays new requests,
+it does not fail them. Every in-flight request remembers its shard and the tokens it received.
+When its shard's scheduler restarts (new epoch), or for every request when our own NATS
+connection comes back or NATS drops messages for us, a request accepted by a shard *moves*: its
+engine id is dropped and aborted on its shard, and it is resubmitted to the shard `Shards.route`
+picks under a fresh id (`<req_id>.<attempt>`, fresh for every try) as a continuation carrying
+`output_token_ids`, so the client's stream goes on. A fresh id means no scheduler ever sees the
+same id twice and no request is held by two shards: late deltas of an old id are simply not
+routed. A shard whose scheduler announces that it is leaving moves its requests at once. If a
+shard sends no heartbeat for `orphan_timeout` seconds, the streams of its requests fail with
+503.
 """
 
 from __future__ import annotations
@@ -171,27 +171,30 @@ class InFlightRequests:
         for record in orphans:
             self._fail(record, EngineError(503, "lost contact with the scheduler"))
 
-    def _choose(self) -> int:
-        shard = self.shards.choose()
-        if shard is None:
+    def _choose(self, token_ids: list[int]) -> int:
+        route = self.shards.route(token_ids=token_ids)
+        if route is None:
             raise EngineError(503, "no scheduler with ready workers is available")
-        return shard
+        self.shards.count(route)
+        return route.shard
 
     async def _place(self, record: _InFlight) -> None:
-        """First submit: to the least loaded available shard; after a 429, once to another
-        one; while none is available or they answer 503, again after the next heartbeat,
-        until `resubmit_timeout`."""
+        """First submit: to the available shard `Shards.route` picks; after a 429, once to
+        another one; while none is available or they answer 503, again after the next
+        heartbeat, until `resubmit_timeout`."""
         deadline = time.monotonic() + self.resubmit_timeout
         error = EngineError(503, "no scheduler with ready workers is available")
         unavailable: set[int] = set()  # answered 503 since the last heartbeat
         handed_over = False
         while self._holds(record):
-            shard = self.shards.choose(exclude=unavailable)
-            if shard is None:
+            route = self.shards.route(unavailable, record.request.prompt_token_ids)
+            if route is None:
                 if not await self.shards.wait_for_change(deadline):
                     raise error
                 unavailable.clear()
                 continue
+            shard = route.shard
+            self.shards.count(route)
             try:
                 await self._send(record, record.request, shard)
                 return
@@ -228,15 +231,16 @@ class InFlightRequests:
             record.moving = False
 
     async def _resubmit(self, record: _InFlight) -> None:
-        """Drop and abort the record's engine id, then submit it as a continuation to the least
-        loaded shard; retry while overloaded (429/503) for up to `resubmit_timeout`."""
+        """Drop and abort the record's engine id, then submit it as a continuation to the shard
+        `Shards.route` picks for its tokens so far; retry while overloaded (429/503) for up to
+        `resubmit_timeout`."""
         self._routes.pop(record.engine_id, None)
         await self.transport.abort(record.shard, [record.engine_id])
         deadline = time.monotonic() + self.resubmit_timeout
         delay = 0.1
         while self._holds(record):
             try:
-                shard = self._choose()
+                shard = self._choose(record.request.prompt_token_ids + record.output_token_ids)
                 await self._send(record, self._continuation(record), shard)
                 self.stats.migrated += 1
                 return

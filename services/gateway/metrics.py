@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.gateway.engine_client import EngineClient
+from services.gateway.shards import ROUTINGS, Shards
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -126,6 +127,8 @@ class GatewayMetrics:
             connected.set_function(lambda: float(engine.connected))
         if hasattr(engine, "stats"):
             reg.register(_EngineStatsCollector(engine))
+        if hasattr(engine, "shards"):
+            reg.register(_ShardRoutingCollector(engine.shards))
 
     def finished(self, reason: str) -> None:
         self._success.labels(self._model, reason).inc()
@@ -175,3 +178,29 @@ class _EngineStatsCollector(Collector):
                 f"Engine requests {name}.",
                 value=getattr(stats, name),
             )
+
+
+class _ShardRoutingCollector(Collector):
+    """Requests routed to each scheduler shard by reason, and the prompt tokens matched there."""
+
+    def __init__(self, shards: Shards) -> None:
+        self.shards = shards
+
+    def collect(self) -> Iterator[Metric]:
+        routed = CounterMetricFamily(
+            "skiff_gateway_shard_requests",
+            "Requests routed to each scheduler shard, by reason (prefix: its workers hold the "
+            "longest prefix of the prompt; load: the least loaded).",
+            labels=["shard", "reason"],
+        )
+        matched = CounterMetricFamily(
+            "skiff_gateway_shard_prefix_matched_tokens",
+            "Prompt tokens of the requests routed to each shard that its prefix summary held.",
+            labels=["shard"],
+        )
+        for index, shard in enumerate(self.shards):
+            for reason in ROUTINGS:
+                routed.add_metric([str(index), reason], shard.routed[reason])
+            matched.add_metric([str(index)], shard.matched_tokens)
+        yield routed
+        yield matched

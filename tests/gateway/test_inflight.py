@@ -12,6 +12,8 @@ import pytest
 from services.gateway.inflight import InFlightRequests
 from services.gateway.request_stream import EngineError
 from services.gateway.shards import Shards
+from shared.prefix_hash import iter_block_hashes
+from shared.prefix_summary import build
 from shared.wire import (
     OutputBatch,
     SamplingParams,
@@ -73,6 +75,30 @@ async def test_requests_spread_over_the_shards_by_load():
         await requests.submit(_request(f"r{i}"))
     assert transport.submits == [(1, "r0"), (2, "r1"), (0, "r2"), (1, "r3"), (2, "r4")]
     assert requests.stats.submitted == 5
+
+
+async def test_new_and_moved_requests_go_to_the_shard_holding_their_prefix():
+    transport = FakeTransport(3)
+    prompt, output = list(range(64)), list(range(100, 132))
+    for shard, held in ((1, prompt), (2, prompt + output)):
+        summary = build(iter_block_hashes(held, 16))
+        beat = SchedulerHeartbeat(
+            epoch="e", num_ready_workers=1, block_size=16, prefix_summary=summary
+        )
+        transport.shards.heartbeat(shard, beat)
+    requests = _inflight(transport)
+    request = SubmitRequest(
+        req_id="a", gateway_id="gw", prompt_token_ids=prompt, sampling_params=SamplingParams()
+    )
+    await requests.submit(request)
+    assert transport.submits == [(1, "a")]  # its whole prompt on 1 and 2: the lower index
+    await requests.deliver(OutputBatch(deltas=[TokenDelta(req_id="a", new_token_ids=output)]))
+    requests.move("shard 1 restarted", shard=1)
+    await _until(lambda: len(transport.submits) == 2)
+    assert transport.submits[1] == (2, "a.1")  # the only one holding its output's blocks too
+    shards = transport.shards
+    assert [s.routed["prefix"] for s in shards] == [0, 1, 1]
+    assert [s.matched_tokens for s in shards] == [0, 64, 96]
 
 
 async def test_a_full_shard_hands_a_new_request_to_another_once():
