@@ -20,7 +20,13 @@ if TYPE_CHECKING:
 # The gateway's and the workers' settings that `skiff serve` takes; the stack sets the others
 # that tie the processes together, and the rest keep their defaults (or SKIFF_* variables).
 SERVE_GATEWAY_FIELDS = ("host", "port", "api_key", "served_model_name")
-SERVE_RUNNER_FIELDS = ("kv_cache_gib", "cpu_weights")
+SERVE_RUNNER_FIELDS = (
+    "kv_cache_gib",
+    "cpu_weights",
+    "kv_offloading_size",
+    "kv_offloading_disk_size",
+    "kv_offloading_disk_path",
+)
 
 
 def build_serve_parser() -> ConfigParser:

@@ -35,11 +35,21 @@ class WorkerServiceConfig(NatsClientConfig):
     )
     heartbeat_interval: float = setting(1.0, "seconds between worker heartbeats")
     log_level: str = setting(DEFAULT_LOG_LEVEL, "DEBUG, INFO, WARNING or ERROR")
+    # The KV-transfer server, where other workers fetch this worker's KV blocks
+    kv_transfer_host: str = setting(
+        "127.0.0.1", "address the KV-transfer server binds (0.0.0.0: every interface)"
+    )
+    kv_transfer_port: int = setting(0, "port of the KV-transfer server (0: any free port)")
+    kv_transfer_advertise_host: str = setting(
+        "", "host other workers reach the KV-transfer server at (default: the bind address)"
+    )
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0:
             raise ValueError("heartbeat interval must be > 0")
         check_positive(self, "scheduler_shards")
+        if not 0 <= self.kv_transfer_port <= 65535:
+            raise ValueError(f"kv_transfer_port must be in [0, 65535], got {self.kv_transfer_port}")
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,16 @@ class RunnerConfig:
         "fp32",
         "CPU projection weights: fp32 (exact), bf16 or int8 (faster, outputs can differ)",
     )
+    # vLLM's --kv-offloading-size: KV blocks the scheduler moves below the device pool
+    kv_offloading_size: float = setting(
+        0.0, "host-memory KV tier, GiB (pinned on CUDA, RAM on the CPU; 0: off)"
+    )
+    kv_offloading_disk_size: float = setting(
+        0.0, "local-disk KV tier below the host tier, GiB (0: off; needs the host tier)"
+    )
+    kv_offloading_disk_path: str = setting(
+        "", "directory of the disk tier's file (required with --kv-offloading-disk-size)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_model_len"):
@@ -84,6 +104,21 @@ class RunnerConfig:
             )
         if self.cpu_weights != "fp32" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError("cpu_weights other than fp32 need device cpu and dtype float32")
+        self._check_kv_tiers()
+
+    def _check_kv_tiers(self) -> None:
+        for name in ("kv_offloading_size", "kv_offloading_disk_size"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 GiB, got {getattr(self, name)}")
+        if self.kv_offloading_disk_size > 0:
+            if not self.kv_offloading_size > 0:
+                raise ValueError(
+                    "kv_offloading_disk_size needs the host tier: set kv_offloading_size too"
+                )
+            if not self.kv_offloading_disk_path and self.device != SIM_DEVICE:
+                raise ValueError(
+                    "kv_offloading_disk_path: a directory is required with kv_offloading_disk_size"
+                )
 
 
 @dataclass(frozen=True)
@@ -121,7 +156,8 @@ class WorkerHttpConfig:
 class SimConfig:
     """A simulated worker (`--device sim`): no model, tokens from a hash. A step holds the
     simulated device for sim_step_base_ms + sim_per_token_us * scheduled tokens +
-    sim_per_req_us * requests; the defaults model an 8B model in bf16 on one H200."""
+    sim_per_req_us * requests; the defaults model an 8B model in bf16 on one H200. KV loads
+    from the lower tiers move their bytes at sim_kv_load_gbps, alongside the step."""
 
     # A small decode batch is memory-bound: ~16 GB of bf16 weights at ~4.8 TB/s is ~3.4 ms,
     # plus ~1.5 ms of kernel launches, sampling and host work.
@@ -135,6 +171,10 @@ class SimConfig:
     sim_eos_rate: float = setting(
         0.0, "chance that a sampled token is EOS (never before min_tokens)"
     )
+    # One H200's host link: PCIe 5.0 x16 moves ~25 GB/s of pinned memory each way.
+    sim_kv_load_gbps: float = setting(
+        25.0, "simulated KV loads into the device pool (any tier), GB/s"
+    )
 
     def __post_init__(self) -> None:
         for name in ("sim_step_base_ms", "sim_per_token_us", "sim_per_req_us"):
@@ -142,6 +182,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.sim_eos_rate <= 1.0:
             raise ValueError(f"sim_eos_rate must be in [0, 1], got {self.sim_eos_rate}")
+        if not self.sim_kv_load_gbps > 0:
+            raise ValueError(f"sim_kv_load_gbps must be > 0, got {self.sim_kv_load_gbps}")
 
     def step_time_s(self, num_scheduled_tokens: int, num_reqs: int) -> float:
         """How long a step of this size holds the simulated device (0 for an empty plan)."""

@@ -1,18 +1,29 @@
 """Prometheus metrics of a worker process, measured where the step runs (the scheduler
 measures round trips). One process hosts one worker, or several simulated ones: series carry
 `worker_id` (and vLLM's `model_name` where vLLM has it), never a request id; `phase`, `state`,
-`kind` and `mode` take the few fixed values below."""
+`kind`, `mode`, `tier`, `source`, `reason` and `op` take the few fixed values below. The KV
+tiers' series are read from their counters at each scrape."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from services.worker.input_batch import InputBatch
+from services.worker.kv_tiers.stats import (
+    DISK_OPS,
+    LOAD_FAILURES,
+    LOAD_SOURCES,
+    KVTierStats,
+)
 from services.worker.step_timer import PHASES, StepTimer
+from shared.wire import KV_DISK, KV_HOST
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, *STEP_BUCKETS)
@@ -31,6 +42,8 @@ class WorkerMetrics:
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_start_time_seconds
         self._add_step_metrics()
         self._add_device_metrics()
+        self.kv_tiers = KVTierCollector()
+        r.register(self.kv_tiers)
 
     def _add_step_metrics(self) -> None:
         """Per step: time, phases, tokens, requests and how the forward pass ran."""
@@ -124,6 +137,7 @@ class WorkerSeries:
         self.epoch_changes = m.epoch_changes.labels(wid)
         m.nats_connected.labels(wid).set_function(lambda: float(connected()))
         self._memory = m.device_memory
+        self._kv_tiers = m.kv_tiers
         self._wid = wid
 
     def observe_step(self, seconds: float, num_tokens: int, num_reqs: int) -> None:
@@ -136,6 +150,11 @@ class WorkerSeries:
             self.phases[phase].observe(seconds)
         if timer.cuda_graph is not None:
             self.forward_steps[timer.cuda_graph].inc()
+
+    def watch_kv_tiers(self, stats: KVTierStats, served_bytes: Callable[[], int]) -> None:
+        """The KV tiers' series of this worker, from `stats` and the bytes its KV-transfer
+        server sent (`served_bytes`), read at each scrape."""
+        self._kv_tiers.watch(self._wid, stats, served_bytes)
 
     def set_kv_blocks(self, batch: InputBatch, num_blocks: int) -> None:
         used = kv_blocks_in_use(batch)
@@ -173,3 +192,70 @@ def kv_blocks_in_use(batch: InputBatch) -> int:
     table = batch.block_table[:n, :width]
     mask = np.arange(width) < batch.num_blocks[:n, None]
     return int(np.unique(table[mask]).size)
+
+
+class KVTierCollector(Collector):
+    """The KV tiers' series of every worker of the process: capacity, bytes offloaded, loaded
+    and served, failed loads and disk-tier errors."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, tuple[KVTierStats, Callable[[], int]]] = {}
+        self._lock = threading.Lock()
+
+    def watch(self, wid: str, stats: KVTierStats, served_bytes: Callable[[], int]) -> None:
+        with self._lock:
+            self._workers[wid] = (stats, served_bytes)
+
+    def collect(self) -> Iterator[Metric]:
+        blocks = GaugeMetricFamily(
+            "skiff:kv_tier_blocks",
+            "KV blocks each tier holds at most: device, host and disk (0: off).",
+            labels=[*WID, "tier"],
+        )
+        offload = CounterMetricFamily(
+            "skiff:kv_offload_bytes",
+            "KV bytes copied down into the host and disk tiers.",
+            labels=[*WID, "tier"],
+        )
+        loads = CounterMetricFamily(
+            "skiff:kv_load_bytes",
+            "KV bytes loaded into the device pool, by source: host, disk or remote (another "
+            "worker's).",
+            labels=[*WID, "source"],
+        )
+        failures = CounterMetricFamily(
+            "skiff:kv_load_failures",
+            "KV loads that failed, by reason: checksum (data did not verify), io (a local "
+            "read), transfer (a fetch from another worker).",
+            labels=[*WID, "reason"],
+        )
+        disk = CounterMetricFamily(
+            "skiff:kv_disk_tier_errors",
+            "Disk tier errors by operation: setup (the tier is off), write or read (the "
+            "slot is lost).",
+            labels=[*WID, "op"],
+        )
+        served = CounterMetricFamily(
+            "skiff:kv_transfer_served_bytes",
+            "KV bytes this worker's KV-transfer server sent to other workers.",
+            labels=WID,
+        )
+        with self._lock:
+            workers = list(self._workers.items())
+        for wid, (stats, served_bytes) in workers:
+            for tier, n in stats.capacity().items():
+                blocks.add_metric([wid, tier], n)
+            _add_counts(offload, wid, (KV_HOST, KV_DISK), stats.read(stats.offload_bytes))
+            _add_counts(loads, wid, LOAD_SOURCES, stats.read(stats.load_bytes))
+            _add_counts(failures, wid, LOAD_FAILURES, stats.read(stats.load_failures))
+            _add_counts(disk, wid, DISK_OPS, stats.read(stats.disk_errors))
+            served.add_metric([wid], served_bytes())
+        yield from (blocks, offload, loads, failures, disk, served)
+
+
+def _add_counts(
+    family: CounterMetricFamily, wid: str, labels: tuple[str, ...], counts: dict[str, int]
+) -> None:
+    """One series per label, 0 for those not counted yet."""
+    for label in labels:
+        family.add_metric([wid, label], counts.get(label, 0))

@@ -10,7 +10,10 @@ comes with probability `SimConfig.sim_eos_rate` per token, never before `min_tok
 logprobs put the chosen token at rank 1; structured outputs are not enforced (its batch has
 no grammar compiler: a hash follows no grammar). `step` holds the simulated device for
 `SimRunner.step_time_s(plan)` on the event loop, so many simulated workers share one thread;
-meanwhile `progress` counts its decoder layers as done in proportion to the time gone by.
+meanwhile `progress` counts its decoder layers as done in proportion to the time gone by. Its
+lower KV tiers have the sizes its settings give, in blocks of an 8B model: a plan's KV copies
+are checked and move nothing, its KV loads hold the device for their bytes at
+`SimConfig.sim_kv_load_gbps` (alongside the step's own time).
 """
 
 from __future__ import annotations
@@ -26,14 +29,15 @@ import numpy as np
 
 from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig
 from services.worker.input_batch import CachedRequestState, InputBatch, apply_plan_diff
+from services.worker.kv_tiers.sim_tiers import SIM_KV_BYTES_PER_TOKEN, SimKVTiers
 from services.worker.model_config import ModelConfig
 from services.worker.step_timer import StepTimer
 from shared.wire import BatchPlan, ModelRunnerOutput, NewRequestData, TokenLogprobs
 
-# KV cache of one H200 serving an 8B model. Llama-3-8B stores K and V for 32 layers x 8 KV heads
-# x 128 dims in bf16: 128 KiB per token. 141 GB x 0.9 (vLLM's gpu_memory_utilization) is
-# ~118 GiB; less ~15 GiB of weights and ~3 GiB of activations and CUDA graphs: ~100 GiB.
-SIM_KV_CACHE_TOKENS = 100 * 2**30 // (128 * 2**10)  # 819_200
+# KV cache of one H200 serving an 8B model (SIM_KV_BYTES_PER_TOKEN: 128 KiB per token). 141 GB
+# x 0.9 (vLLM's gpu_memory_utilization) is ~118 GiB; less ~15 GiB of weights and ~3 GiB of
+# activations and CUDA graphs: ~100 GiB.
+SIM_KV_CACHE_TOKENS = 100 * 2**30 // SIM_KV_BYTES_PER_TOKEN  # 819_200
 
 _TOKEN, _EOS, _PROB = 1, 2, 3  # independent hash streams per (key, position)
 
@@ -124,6 +128,14 @@ class SimRunner:
         self.timer = StepTimer()  # forward: the time it holds the simulated device
         self._layers_done = 0  # of the steps held to the end
         self._holding: tuple[float, float] | None = None  # monotonic span of the step held
+        c = self.config
+        self.kv_tiers = SimKVTiers(
+            self.num_blocks,
+            c.block_size,
+            c.kv_offloading_size,
+            c.kv_offloading_disk_size,
+            sim.sim_kv_load_gbps,
+        )
         self.reset()
 
     def reset(self) -> None:
@@ -132,6 +144,9 @@ class SimRunner:
         self.batch = InputBatch(
             self.config.max_num_seqs, self.max_model_len, self.config.block_size
         )
+
+    def close(self) -> None:
+        """Nothing to release."""
 
     def step_time_s(self, plan: BatchPlan) -> float:
         """How long the plan holds the simulated device."""
@@ -149,17 +164,19 @@ class SimRunner:
         return self._layers_done + int(self.model_config.num_hidden_layers * share)
 
     async def step(self, plan: BatchPlan) -> ModelRunnerOutput:
-        """Execute the plan, then hold the device until its modelled time has passed; other
-        coroutines (heartbeats, other simulated workers) run meanwhile."""
+        """Execute the plan, then hold the device until its modelled time, and that of its
+        KV loads (which run alongside), has passed; other coroutines (heartbeats, other
+        simulated workers) run meanwhile."""
         loop = asyncio.get_running_loop()
         step_s = self.step_time_s(plan)
-        done_at = loop.time() + step_s
+        started_at = loop.time()
         if plan.num_scheduled_tokens:
             started = time.monotonic()
             self._holding = (started, started + step_s)
         try:
             output = self.execute(plan)
             held_from = loop.time()
+            done_at = started_at + max(step_s, output.kv_load_s)
             await asyncio.sleep(max(0.0, done_at - held_from))
         finally:
             if self._holding is not None:
@@ -174,6 +191,12 @@ class SimRunner:
     def execute(self, plan: BatchPlan) -> ModelRunnerOutput:
         self.timer.begin()
         apply_plan_diff(self.batch, self.requests, plan, SimRequestState)
+        self.kv_tiers.copy(plan.kv_copies)
+        output = self._run_model(plan)
+        self.kv_tiers.load(plan.kv_loads, output)
+        return output
+
+    def _run_model(self, plan: BatchPlan) -> ModelRunnerOutput:
         if not plan.num_scheduled_tokens:
             return ModelRunnerOutput(step_id=plan.step_id)
         batch = self.batch
