@@ -58,7 +58,7 @@ def build(
 
 def _positions(hashes: list[bytes], k: int, num_bits: int) -> npt.NDArray[np.uint64]:
     """The k bit positions of each hash: [len(hashes), k]."""
-    if any(len(h) != HASH_BYTES for h in hashes):
+    if set(map(len, hashes)) - {HASH_BYTES}:
         raise ValueError(f"block hashes must be {HASH_BYTES} bytes")
     words = np.frombuffer(b"".join(hashes), dtype="<u4").reshape(len(hashes), MAX_NUM_HASHES)
     return (words[:, :k].astype(np.uint64) * np.uint64(num_bits)) >> np.uint64(32)
