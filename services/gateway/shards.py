@@ -13,7 +13,9 @@ block size and a summary of the blocks its workers hold (`shared.prefix_summary`
 goes to the shard holding the longest prefix of its tokens' block-hash chain, the least loaded
 of those on a tie, unless that shard's load exceeds the least loaded one's by more than
 `max_imbalance`; without a match it goes by load. Multi-turn conversations, which resend a
-growing history, so stay where their earlier turns' KV blocks are.
+growing history, so stay where their earlier turns' KV blocks are. A least loaded shard that
+holds nothing (just started) also takes the request: else, while the others all hold a shared
+system prompt, it would get no new conversation until they were `max_imbalance` busier.
 """
 
 from __future__ import annotations
@@ -187,8 +189,8 @@ class Shards:
         """Where a request of `token_ids` goes among the available shards not in `exclude`:
         by prefix, to the one whose summary holds the longest prefix of its block-hash chain
         (the least loaded of those), unless it has more than `max_imbalance` requests per
-        ready worker beyond the least loaded shard; otherwise to the least loaded shard (the
-        lowest index on a tie). None when no shard is available."""
+        ready worker beyond the least loaded shard or that one holds nothing; otherwise to the
+        least loaded shard (the lowest index on a tie). None when no shard is available."""
         candidates = [
             (s.load, i)
             for i, s in enumerate(self._states)
@@ -210,7 +212,8 @@ class Shards:
                     chains[shard.block_size] = chain
                 matched[i] = shard.prefix_summary.longest_prefix(chain) * shard.block_size
         _, load, best = min((-matched.get(i, 0), load, i) for load, i in candidates)
-        if not matched.get(best) or load - least_load > self.max_imbalance:
+        cold = not self._states[least].prefix_summary  # it warms up by load
+        if not matched.get(best) or cold or load - least_load > self.max_imbalance:
             return Route(least, "load", matched.get(least, 0))
         return Route(best, "prefix", matched[best])
 

@@ -80,7 +80,7 @@ async def test_requests_spread_over_the_shards_by_load():
 async def test_new_and_moved_requests_go_to_the_shard_holding_their_prefix():
     transport = FakeTransport(3)
     prompt, output = list(range(64)), list(range(100, 132))
-    for shard, held in ((1, prompt), (2, prompt + output)):
+    for shard, held in ((0, [7] * 16), (1, prompt), (2, prompt + output)):
         summary = build(iter_block_hashes(held, 16))
         beat = SchedulerHeartbeat(
             epoch="e", num_ready_workers=1, block_size=16, prefix_summary=summary

@@ -126,6 +126,13 @@ def test_a_too_busy_best_match_gives_way_to_the_least_loaded():
     assert shards.route(token_ids=SYSTEM) == Route(1, "load", 160)
 
 
+def test_a_least_loaded_shard_that_holds_nothing_warms_up_by_load():
+    shards = _shards(_beat(running=2, **_held(SYSTEM)), _beat(running=1, **_held(SYSTEM)), _beat())
+    assert shards.route(token_ids=SYSTEM) == Route(2, "load", 0)  # just started
+    shards[2].submitted = 2  # busier than shard 1 now: the longest prefix again
+    assert shards.route(token_ids=SYSTEM) == Route(1, "prefix", 320)
+
+
 def test_each_shard_matches_in_its_own_block_size():
     shards = _shards(
         _beat(running=1, **_held(SYSTEM[:256], block_size=16)),  # 16 blocks of 16
