@@ -193,3 +193,15 @@ when the chart creates it. Empty: no API key. */}}
 {{- printf "%s-api-key" (include "skiff.fullname" .) }}
 {{- end }}
 {{- end }}
+
+{{/* A Kubernetes quantity (16Gi, 500M, 17179869184) in GiB; empty when it is not a plain
+number with a binary or decimal suffix. */}}
+{{- define "skiff.quantityGiB" -}}
+{{- $q := toString . }}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $q }}
+{{- $factors := dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 }}
+{{- $suffix := trimPrefix $num $q }}
+{{- if and $num (hasKey $factors $suffix) }}
+{{- divf (mulf (float64 $num) (get $factors $suffix)) 1073741824.0 }}
+{{- end }}
+{{- end }}
