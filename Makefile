@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-unit lint cluster-prereqs bench bench-scale bench-gpu bench-structured clean
+.PHONY: install serve test test-unit lint cluster-prereqs bench bench-scale bench-gpu bench-structured bench-kv clean
 
 $(STAMP): pyproject.toml tests/deploy/install_helm.py tests/observability/install_prometheus.py \
 		tests/cluster/localkube/install_packages.sh
@@ -57,6 +57,12 @@ bench-gpu: $(STAMP)
 
 bench-structured: $(STAMP)
 	$(BIN)/python bench/structured.py
+
+# Tiered KV cache: multi-turn chats on the served stack with the lower tiers off, host, host +
+# disk (bench/results/kv-tiers.json); then prefix-aware shard routing, simulated
+bench-kv: $(STAMP)
+	$(BIN)/python -m bench.kv_tiers
+	$(BIN)/python -m bench.kv_routing
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
