@@ -80,7 +80,7 @@ async def serve(argv: list[str] | None = None) -> None:
         if args.count > 1:
             ids = [f"{config.worker_id}-{i}" for i in range(args.count)]
         started = time.perf_counter()
-        runners = build(runner_config, configs[SimConfig], len(ids))
+        runners = build(runner_config, configs[SimConfig], ids)
         metrics.load_seconds.set(time.perf_counter() - started)
         services = [
             WorkerService(
@@ -91,29 +91,33 @@ async def serve(argv: list[str] | None = None) -> None:
             )
             for worker_id, runner in zip(ids, runners, strict=True)
         ]
-        await run(config, services, share_connection=simulated)
-        probes.services = services
-        await wait_for_signal()
-        for service in services:
-            await service.leave()
-        if simulated:
-            await services[0].nc.drain()
+        try:
+            await run(config, services, share_connection=simulated)
+            probes.services = services
+            await wait_for_signal()
+            for service in services:
+                await service.leave()
+            if simulated:
+                await services[0].nc.drain()
+        finally:
+            for runner in runners:
+                runner.close()  # the disk tier's file goes
     finally:
         if server is not None:
             server.stop()
 
 
-def build(config: RunnerConfig, sim: SimConfig, count: int) -> list[Runner]:
-    """The model runner (loads the weights), or `count` simulated ones; either way the model's
-    config.json is read once."""
+def build(config: RunnerConfig, sim: SimConfig, worker_ids: list[str]) -> list[Runner]:
+    """The model runner of `worker_ids[0]` (loads the weights), or a simulated one per worker
+    id; either way the model's config.json is read once."""
     if config.device == SIM_DEVICE:
         from services.worker.sim_runner import SimRunner
 
         model_config = ModelConfig.from_dir(config.model_dir)
-        return [SimRunner(config, sim, model_config) for _ in range(count)]
+        return [SimRunner(config, sim, model_config) for _ in worker_ids]
     from services.worker.model_runner import build_runner
 
-    return [build_runner(config)]
+    return [build_runner(config, worker_ids[0])]
 
 
 async def run(

@@ -21,6 +21,7 @@ from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.grammar import GrammarCompiler
 from services.worker.grammar_bitmask import GrammarBitmask
 from services.worker.input_batch import CachedRequestState, InputBatch, apply_plan_diff
+from services.worker.kv_tiers.setup import build_kv_tiers
 from services.worker.loader import load_model
 from services.worker.model_config import ModelConfig
 from services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -50,9 +51,16 @@ _PromptSpan = tuple[CachedRequestState, int, range, int, int]
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig, model_config: ModelConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: RunnerConfig,
+        model_config: ModelConfig | None = None,
+        *,
+        worker_id: str = "worker",
+    ) -> None:
         """`config.num_blocks` must be set (`build_runner` sizes it from kv_cache_gib);
-        `model_config`: the model dir's, when the caller has read it already."""
+        `model_config`: the model dir's, when the caller has read it already; `worker_id`
+        names the disk tier's file."""
         if config.num_blocks is None:
             raise ValueError("RunnerConfig.num_blocks is None: use build_runner(config)")
         self.config = config
@@ -78,6 +86,7 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_hidden_layers)
         ]
+        self.kv_tiers = build_kv_tiers(self.kv_caches, config, worker_id)
         self.grammar = GrammarCompiler(config.model_dir, mc.vocab_size, mc.eos_token_ids)
         self.grammar_bitmask = GrammarBitmask(config.max_num_seqs, mc.vocab_size, self.device)
         self.batch = self._new_batch()
@@ -106,6 +115,10 @@ class ModelRunner:
         self.requests.clear()
         self.batch = self._new_batch()
 
+    def close(self) -> None:
+        """Release the KV tiers (the disk tier's file is deleted)."""
+        self.kv_tiers.close()
+
     @property
     def progress(self) -> int:
         """The model's decoder layers and logits passes since load (heartbeats report it)."""
@@ -119,8 +132,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> ModelRunnerOutput:
+        """The plan's KV copies, then its forward pass while its KV loads run."""
         self.timer.begin()
         self._update_states(plan)
+        loads = self.kv_tiers.begin(plan.kv_copies, plan.kv_loads)
+        try:
+            output = self._run_model(plan)
+        finally:
+            report = loads.wait()
+        self.kv_tiers.report(report, output)
+        return output
+
+    def _run_model(self, plan: BatchPlan) -> ModelRunnerOutput:
         if not plan.num_scheduled_tokens:
             return ModelRunnerOutput(step_id=plan.step_id)
         inputs = self._prepare_inputs(plan)
@@ -317,11 +340,11 @@ def num_kv_blocks(mc: ModelConfig, block_size: int, gib: float, dtype: str) -> i
     return max(1, int(gib * 2**30) // (per_block * dtype_bytes))
 
 
-def build_runner(config: RunnerConfig) -> ModelRunner:
+def build_runner(config: RunnerConfig, worker_id: str = "worker") -> ModelRunner:
     """A runner whose KV cache has `config.num_blocks` blocks or, when that is None, as many
     as fit in `config.kv_cache_gib`; its `config` carries the resolved num_blocks."""
     mc = ModelConfig.from_dir(config.model_dir)
     if config.num_blocks is None:
         blocks = num_kv_blocks(mc, config.block_size, config.kv_cache_gib, config.dtype)
         config = replace(config, num_blocks=blocks)
-    return ModelRunner(config, mc)
+    return ModelRunner(config, mc, worker_id=worker_id)

@@ -1,5 +1,6 @@
 """The worker service: owns one device, announces itself, executes plans exactly, in order,
-and says goodbye when it leaves."""
+serves its KV blocks to other workers (the KV-transfer server) and says goodbye when it
+leaves."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from nats.aio.client import Client
 from services.worker.config import RunnerConfig, WorkerHttpConfig, WorkerServiceConfig
 from services.worker.health import StepWatch
 from services.worker.input_batch import InputBatch
+from services.worker.kv_tiers.stats import KVTierStats
+from services.worker.kv_transfer import BlockSource, TransferServer
 from services.worker.metrics import WorkerMetrics
 from services.worker.step_timer import StepTimer
 from services.worker.tracing import BatchTraces
@@ -37,6 +40,16 @@ KV_MEASURE_INTERVAL_S = 1.0  # counting the blocks in use costs up to a millisec
 NO_SESSION = ("", "")  # (BatchPlan.scheduler_epoch, BatchPlan.worker_session) before any plan
 
 
+class KVTiers(Protocol):
+    """A runner's KV tiers: their sizes and counters, and what it serves to other workers
+    (None: nothing, no KV-transfer server)."""
+
+    @property
+    def stats(self) -> KVTierStats: ...
+
+    def block_source(self) -> BlockSource | None: ...
+
+
 class Runner(Protocol):
     """What the service uses of a runner (ModelRunner, SimRunner)."""
 
@@ -49,6 +62,9 @@ class Runner(Protocol):
     batch: InputBatch  # the persistent batch (its block tables)
 
     @property
+    def kv_tiers(self) -> KVTiers: ...
+
+    @property
     def progress(self) -> int:
         """Units of work done since start (decoder layers, logits passes), read from the loop
         while a step runs on the runner's thread."""
@@ -57,6 +73,10 @@ class Runner(Protocol):
     def execute(self, plan: BatchPlan) -> ModelRunnerOutput: ...
 
     def reset(self) -> None: ...
+
+    def close(self) -> None:
+        """Release what outlives the service (the KV disk tier's file)."""
+        ...
 
 
 @runtime_checkable
@@ -85,6 +105,7 @@ class WorkerService:
         self.series = self.metrics.worker(config.worker_id, self._connected)
         self.series.watch_device(runner)
         self.series.set_kv_blocks(runner.batch, runner.num_blocks)
+        self.series.watch_kv_tiers(runner.kv_tiers.stats, lambda: 0)
         self._kv_measured_at = 0.0  # time.monotonic() of the last KV block count
         http = WorkerHttpConfig()
         self.watch = watch or StepWatch(
@@ -97,7 +118,7 @@ class WorkerService:
         self.subjects = Subjects(
             worker_prefix(config.subject_prefix, config.worker_id, config.scheduler_shards)
         )
-        self.instance_id = uuid.uuid4().hex
+        self._instance_id = uuid.uuid4().hex
         self.session = NO_SESSION  # (scheduler epoch, worker session) of the last plan run
         self.step_id = -1  # the step being executed (-1: none), reported with progress
         # A step of it failed: its plans still queued build on lost state.
@@ -111,9 +132,23 @@ class WorkerService:
         self._plans: asyncio.Queue[BatchPlan] = asyncio.Queue()
         self._traces = BatchTraces(tracing.tracer, config.worker_id) if tracing.tracer else None
         self._tasks = BackgroundTasks(config.worker_id)
+        self.kv_transfer: TransferServer | None = None  # started with the service
+
+    @property
+    def instance_id(self) -> str:
+        """New on every process start and after a failed step (its KV state is gone); the
+        KV-transfer server serves only fetches addressed to the current one."""
+        return self._instance_id
+
+    @instance_id.setter
+    def instance_id(self, value: str) -> None:
+        self._instance_id = value
+        if self.kv_transfer is not None:
+            self.kv_transfer.instance_id = value
 
     def hello(self) -> WorkerHello:
         r, mc = self.runner, self.runner.model_config
+        kv = r.kv_tiers.stats
         return WorkerHello(
             worker_id=self.config.worker_id,
             instance_id=self.instance_id,
@@ -127,7 +162,36 @@ class WorkerService:
             eos_token_ids=list(mc.eos_token_ids),
             step_id=self.step_id,
             progress=r.progress,
+            num_host_blocks=kv.num_host_blocks,
+            num_disk_blocks=kv.num_disk_blocks,
+            kv_block_bytes=kv.block_bytes,
+            kv_transfer_address=self.kv_transfer.address if self.kv_transfer is not None else "",
         )
+
+    def start_kv_transfer(self) -> None:
+        """The KV-transfer server over the runner's tiers, if it has any to serve; a port
+        that cannot be bound is logged (other workers then recompute instead of fetching)."""
+        source = self.runner.kv_tiers.block_source()
+        if source is None:
+            return
+        c = self.config
+        try:
+            server = TransferServer(
+                source,
+                self.instance_id,
+                host=c.kv_transfer_host,
+                port=c.kv_transfer_port,
+                advertise_host=c.kv_transfer_advertise_host or None,
+            )
+        except OSError as exc:
+            log.error(
+                "no KV-transfer server on %s:%d: %s", c.kv_transfer_host, c.kv_transfer_port, exc
+            )
+            return
+        server.start()
+        self.kv_transfer = server
+        self.series.watch_kv_tiers(self.runner.kv_tiers.stats, lambda: server.bytes_served)
+        log.info("KV-transfer server at %s", server.address)
 
     async def start(self, nc: Client | None = None) -> None:
         """Connect, or use `nc` (shared by simulated workers; then the caller drains it)."""
@@ -138,6 +202,7 @@ class WorkerService:
                 self.config.nats_url, f"skiff-{self.config.worker_id}", options=options
             )
         self.nc = nc
+        self.start_kv_transfer()
         plan_subject = self.subjects.plan(self.config.worker_id)
         await bus.subscribe(self.nc, plan_subject, BatchPlan, self._plans.put)
         await bus.subscribe(
@@ -183,6 +248,9 @@ class WorkerService:
 
     async def stop(self) -> None:
         self._tasks.cancel()
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
+            self.kv_transfer = None
         if self._owns_nc:
             await self.nc.drain()
         if self.executor is not None:

@@ -13,6 +13,7 @@ from services.worker.config import RunnerConfig, SimConfig, WorkerServiceConfig
 from services.worker.kv_tiers.sim_tiers import SIM_KV_BYTES_PER_TOKEN
 from services.worker.kv_tiers.stats import KVTierStats
 from services.worker.metrics import WorkerMetrics
+from services.worker.service import WorkerService
 from services.worker.sim_runner import SimRunner
 from shared.wire import KV_DEVICE, KV_DISK, KV_HOST, BatchPlan, KVCopy, KVLoad
 from tests.worker.test_sim_runner import BS, new, write_model_config
@@ -90,6 +91,15 @@ def test_simulated_tiers_have_the_configured_sizes(model_dir):
     assert stats.block_bytes == BLOCK_BYTES and r.kv_tiers.block_source() is None
     off = SimRunner(RunnerConfig(model_dir=str(model_dir), device="sim"), SimConfig())
     assert off.kv_tiers.stats.capacity()[KV_HOST] == 0
+
+
+def test_a_simulated_worker_announces_its_tiers_and_serves_nothing(model_dir):
+    service = WorkerService(WorkerServiceConfig(worker_id="w-sim"), sim(model_dir))
+    service.start_kv_transfer()
+    hello = service.hello()
+    assert (hello.num_host_blocks, hello.num_disk_blocks) == (8, 4)
+    assert hello.kv_block_bytes == BLOCK_BYTES and hello.kv_transfer_address == ""
+    assert service.kv_transfer is None
 
 
 def test_simulated_copies_are_checked_and_counted(model_dir):

@@ -57,6 +57,7 @@ class ThreadedSim:
         self.config, self.num_blocks = sim.config, sim.num_blocks
         self.max_model_len, self.device = sim.max_model_len, sim.device
         self.model_config, self.timer, self.batch = sim.model_config, sim.timer, sim.batch
+        self.kv_tiers = sim.kv_tiers
         self.progress = 0
 
     def execute(self, plan: BatchPlan) -> ModelRunnerOutput:
