@@ -363,10 +363,13 @@ class _StubEngine:
 def exported_metrics() -> dict[str, set[str]]:
     """Sample names the gateway and scheduler registries expose, each with its label names."""
     from services.gateway.metrics import GatewayMetrics
+    from services.gateway.shards import Shards
     from services.scheduler.metrics import SchedulerMetrics
 
+    engine = _StubEngine()
+    engine.shards = Shards("skiff", 2, 5.0)  # as the gateway's engine client has them
     out: dict[str, set[str]] = {}
-    for registry in (GatewayMetrics("m", _StubEngine()).registry, SchedulerMetrics("m").registry):
+    for registry in (GatewayMetrics("m", engine).registry, SchedulerMetrics("m").registry):
         labels_of = {}
         for collector in registry._collector_to_names:
             for name in registry._collector_to_names[collector]:
@@ -380,7 +383,9 @@ def exported_metrics() -> dict[str, set[str]]:
             for suffix in suffixes:
                 name = family.name + suffix
                 extra = {"le"} if suffix == "_bucket" else set()
-                out[name] = labels_of.get(name, set()) | extra
+                # a custom collector's labels: those of its samples
+                sampled = {k for s in family.samples if s.name == name for k in s.labels}
+                out[name] = labels_of.get(name, set()) | extra | sampled
     return out
 
 
@@ -457,6 +462,10 @@ def test_dashboard_names_only_exported_metrics():
         "skiff_step_round_trip_seconds_bucket",
         "skiff_worker_execute_seconds_bucket",
         "skiff_plan_bytes_bucket",
+        "skiff_kv_tier_hits_total",
+        "skiff_kv_tier_usage",
+        "vllm:external_prefix_cache_hits_total",
+        "skiff_gateway_shard_requests_total",
     ):
         assert name in used, name
 

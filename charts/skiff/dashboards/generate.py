@@ -1,6 +1,7 @@
 """The chart's Grafana dashboards, as code (grafana-foundation-sdk): `skiff.json` (overview:
-requests, latency, KV cache, scheduling) and `skiff-workers.json` (per worker: step phases,
-tokens and batch, KV blocks, memory, busy fraction, NATS round trip).
+requests, latency, KV cache, lower KV tiers and shard routing, scheduling) and
+`skiff-workers.json` (per worker: step phases, tokens and batch, KV blocks, memory, busy
+fraction, NATS round trip, KV tier capacity, usage and traffic).
 
     python charts/skiff/dashboards/generate.py          # write the JSON next to this file
     python charts/skiff/dashboards/generate.py --check  # exit 1 if the committed JSON differs
@@ -309,6 +310,70 @@ def overview() -> Board:
                 ],
             ),
             Row(
+                "KV tiers and shard routing",
+                [
+                    Panel(
+                        "Prompt tokens loaded from lower tiers",
+                        "short",
+                        [(rate("skiff_kv_tier_hits_total", by="origin"), "{{origin}}")],
+                        description="Scheduler: prompt tokens per second loaded instead of "
+                        "computed, by origin: the worker's host or disk tier, or another worker "
+                        "(remote, over the KV-transfer path).",
+                    ),
+                    Panel(
+                        "Lower-tier prefix lookups",
+                        "short",
+                        [
+                            (rate("vllm:external_prefix_cache_queries_total", m), "queried"),
+                            (rate("vllm:external_prefix_cache_hits_total", m), "hit"),
+                        ],
+                        description="Prompt tokens per second that the device prefix caches "
+                        "missed on workers with lower tiers (queried) and those found in a lower "
+                        "tier or on another worker (hit): vLLM's external prefix cache.",
+                    ),
+                    Panel(
+                        "Lower-tier usage (fullest worker)",
+                        "percentunit",
+                        [("max by (tier) (skiff_kv_tier_usage)", "{{tier}}")],
+                        description="Share of a tier's slots holding a block, as the "
+                        "scheduler's index has it; a full tier evicts its least recently used "
+                        "blocks.",
+                    ),
+                    Panel(
+                        "Lower-tier blocks lost",
+                        "ops",
+                        [(rate("skiff_kv_tier_blocks_lost_total"), "blocks lost")],
+                        description="Blocks workers reported lost (a failed disk write or read, "
+                        "a checksum mismatch): their prefixes are computed again.",
+                    ),
+                    Panel(
+                        "Requests by shard and routing reason",
+                        "reqps",
+                        [
+                            (
+                                rate("skiff_gateway_shard_requests_total", by="shard, reason"),
+                                "shard {{shard}} {{reason}}",
+                            )
+                        ],
+                        description="Gateways: prefix (the shard's workers hold the longest "
+                        "prefix of the prompt) or load (no match, load routing, or the prefix "
+                        "shard too far above the least loaded).",
+                    ),
+                    Panel(
+                        "Prompt tokens matched by prefix routing",
+                        "short",
+                        [
+                            (
+                                rate("skiff_gateway_shard_prefix_matched_tokens_total", by="shard"),
+                                "shard {{shard}}",
+                            )
+                        ],
+                        description="Gateways: prompt tokens per second of the requests routed "
+                        "to each shard that its prefix summary held.",
+                    ),
+                ],
+            ),
+            Row(
                 "Steps",
                 [
                     Panel(
@@ -522,6 +587,85 @@ def workers() -> Board:
                         kind="stat",
                         description="Plans of a new scheduler epoch in the last hour: the "
                         "scheduler restarted or a standby took over.",
+                    ),
+                ],
+            ),
+            Row(
+                "KV tiers",
+                [
+                    Panel(
+                        "Tier capacity",
+                        "short",
+                        [
+                            (
+                                f"sum by (worker_id, tier) (skiff:kv_tier_blocks{{{w}}})",
+                                "{{worker_id}} {{tier}}",
+                            )
+                        ],
+                        description="KV blocks each tier holds at most: device, host and disk "
+                        "(0: off; a disk tier that failed to set up is off).",
+                    ),
+                    Panel(
+                        "Lower-tier usage",
+                        "percentunit",
+                        [
+                            (
+                                f"max by (worker_id, tier) (skiff_kv_tier_usage{{{w}}})",
+                                "{{worker_id}} {{tier}}",
+                            )
+                        ],
+                        description="Scheduler: share of each lower tier's slots holding a block.",
+                    ),
+                    Panel(
+                        "KV offloaded by tier",
+                        "Bps",
+                        [
+                            (
+                                rate("skiff:kv_offload_bytes_total", w, "worker_id, tier"),
+                                "{{worker_id}} {{tier}}",
+                            )
+                        ],
+                        description="Bytes copied down: device to host, host to disk.",
+                    ),
+                    Panel(
+                        "KV loaded by source",
+                        "Bps",
+                        [
+                            (
+                                rate("skiff:kv_load_bytes_total", w, "worker_id, source"),
+                                "{{worker_id}} {{source}}",
+                            )
+                        ],
+                        description="Bytes loaded into the device pool, alongside the forward "
+                        "pass: from host, disk, or another worker (remote).",
+                    ),
+                    Panel(
+                        "KV-transfer bytes served",
+                        "Bps",
+                        [
+                            (
+                                rate("skiff:kv_transfer_served_bytes_total", w, "worker_id"),
+                                "{{worker_id}}",
+                            )
+                        ],
+                        description="Bytes this worker's KV-transfer server sent to other workers.",
+                    ),
+                    Panel(
+                        "KV load failures and disk errors",
+                        "ops",
+                        [
+                            (
+                                rate("skiff:kv_load_failures_total", w, "worker_id, reason"),
+                                "{{worker_id}} load {{reason}}",
+                            ),
+                            (
+                                rate("skiff:kv_disk_tier_errors_total", w, "worker_id, op"),
+                                "{{worker_id}} disk {{op}}",
+                            ),
+                        ],
+                        description="Failed loads by reason (checksum, io, transfer: the "
+                        "prefix is computed instead) and disk-tier errors by operation (setup: "
+                        "the tier is off; write, read: the slot is lost).",
                     ),
                 ],
             ),
