@@ -463,7 +463,7 @@ def test_dashboard_names_only_exported_metrics():
         "skiff_worker_execute_seconds_bucket",
         "skiff_plan_bytes_bucket",
         "skiff_kv_tier_hits_total",
-        "skiff_kv_tier_usage",
+        "skiff_kv_tier_blocks_lost_total",
         "vllm:external_prefix_cache_hits_total",
         "skiff_gateway_shard_requests_total",
     ):

@@ -332,14 +332,6 @@ def overview() -> Board:
                         "tier or on another worker (hit): vLLM's external prefix cache.",
                     ),
                     Panel(
-                        "Lower-tier usage (fullest worker)",
-                        "percentunit",
-                        [("max by (tier) (skiff_kv_tier_usage)", "{{tier}}")],
-                        description="Share of a tier's slots holding a block, as the "
-                        "scheduler's index has it; a full tier evicts its least recently used "
-                        "blocks.",
-                    ),
-                    Panel(
                         "Lower-tier blocks lost",
                         "ops",
                         [(rate("skiff_kv_tier_blocks_lost_total"), "blocks lost")],
@@ -355,6 +347,7 @@ def overview() -> Board:
                                 "shard {{shard}} {{reason}}",
                             )
                         ],
+                        width=12,
                         description="Gateways: prefix (the shard's workers hold the longest "
                         "prefix of the prompt) or load (no match, load routing, or the prefix "
                         "shard too far above the least loaded).",
@@ -368,6 +361,7 @@ def overview() -> Board:
                                 "shard {{shard}}",
                             )
                         ],
+                        width=12,
                         description="Gateways: prompt tokens per second of the requests routed "
                         "to each shard that its prefix summary held.",
                     ),
@@ -610,11 +604,15 @@ def workers() -> Board:
                         "percentunit",
                         [
                             (
-                                f"max by (worker_id, tier) (skiff_kv_tier_usage{{{w}}})",
+                                f"max by (worker_id, tier) (skiff_kv_tier_usage{{{w}}}) or "
+                                f"max by (worker_id, tier) "
+                                f'(0 * skiff:kv_tier_blocks{{{w}, tier=~"host|disk"}})',
                                 "{{worker_id}} {{tier}}",
                             )
                         ],
-                        description="Scheduler: share of each lower tier's slots holding a block.",
+                        description="Scheduler: share of each lower tier's slots holding a "
+                        "block (0 where the worker has the tier off); a full tier drops its "
+                        "least recently used blocks.",
                     ),
                     Panel(
                         "KV offloaded by tier",
