@@ -110,7 +110,7 @@ class Board:
                 b = b.with_panel(_panel(p, next_id, GridPos(h=p.height, w=p.width, x=x, y=y)))
                 next_id, x = next_id + 1, x + p.width
             y += max(p.height for p in row.panels)
-        board = json.loads(json.dumps(b.build(), cls=JSONEncoder))
+        board: dict[str, Any] = json.loads(json.dumps(b.build(), cls=JSONEncoder))
         for variable in board["templating"]["list"]:  # what Grafana's editor shows as the query
             if variable["type"] == "query":
                 variable["definition"] = variable["query"]
@@ -169,7 +169,9 @@ def quantiles(
     ]
 
 
-def per_worker(metric: str, qs: tuple[float, ...] = (0.5, 0.99), extra: str = "") -> list:
+def per_worker(
+    metric: str, qs: tuple[float, ...] = (0.5, 0.99), extra: str = ""
+) -> list[tuple[str, str]]:
     selector = WORKER + (f", {extra}" if extra else "")
     return quantiles(metric, selector, qs, "le, worker_id", " {{worker_id}}")
 
