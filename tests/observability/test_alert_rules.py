@@ -106,6 +106,30 @@ CASES = [
         {"model_name": "m"},
         "m: 2 preemptions per second.",
     ),
+    (
+        "SkiffKVDiskTierErrors",
+        {
+            'skiff:kv_disk_tier_errors_total{worker_id="w0", op="write"}': "0 0 0 1 1 1",
+            'skiff:kv_disk_tier_errors_total{worker_id="w1", op="write"}': "0x5",  # none
+        },
+        "5m",
+        {"worker_id": "w0", "op": "write"},
+        "Worker w0: KV disk tier write errors.",
+    ),
+    (
+        "SkiffKVDiskTierErrors",  # the tier failed its setup at start: off while the worker runs
+        {'skiff:kv_disk_tier_errors_total{worker_id="w0", op="setup"}': "1x20"},
+        "20m",
+        {"worker_id": "w0", "op": "setup"},
+        "Worker w0: KV disk tier setup errors.",
+    ),
+    (
+        "SkiffKVDiskTierErrors",  # read errors more than 10 minutes ago
+        {'skiff:kv_disk_tier_errors_total{worker_id="w0", op="read"}': "0 1x20"},
+        "20m",
+        {},
+        None,
+    ),
 ]
 
 

@@ -179,6 +179,28 @@ ALERTS = (
         "The KV cache is too small for the load: add workers or KV cache (kv_cache_gib), or "
         "lower max_num_seqs so that fewer requests share it.",
     ),
+    Alert(
+        "SkiffKVDiskTierErrors",
+        (
+            # a setup error (at start) turns the tier off for the process's life: its count;
+            # write and read errors: those of the last 10 minutes
+            Condition(
+                "(sum by (namespace, worker_id, op) "
+                '(increase(skiff:kv_disk_tier_errors_total{op!="setup"}[10m])) '
+                "or sum by (namespace, worker_id, op) "
+                '(skiff:kv_disk_tier_errors_total{op="setup"}))',
+                ">",
+                0,
+            ),
+        ),
+        "0m",
+        "warning",
+        "Worker {{ $labels.worker_id }}: KV disk tier {{ $labels.op }} errors.",
+        "setup: the disk tier is off until the worker restarts (worker.kvOffloading.diskPath "
+        "not writable by the worker, or no room for its preallocated file of diskGiB); write "
+        "or read, in the last 10 minutes: the disk fails (the node's kernel log) and each lost "
+        "slot's prefix is computed again. docs/kv-cache.md.",
+    ),
 )
 
 
