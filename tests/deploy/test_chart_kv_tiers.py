@@ -22,12 +22,14 @@ from services.worker.main import build_parser as worker_parser
 from tests.deploy.test_chart_render import (
     CRD_API_VERSIONS,
     HELM,
+    KUBERNETES_VERSIONS,
     MULTI_GPU,
     find,
     helm,
     pod_spec,
     render,
     selects,
+    validate_all,
     workloads,
 )
 from tests.deploy.test_deploy import CHART, VALUES, merged, validator
@@ -36,6 +38,17 @@ CPU = CHART / "ci" / "cpu-values.yaml"
 SIM = CHART / "ci" / "sim-values.yaml"
 NVME: Doc = {"hostPath": {"path": "/mnt/nvme/skiff-kv", "type": "Directory"}}
 Doc = dict[str, Any]
+EPHEMERAL: Doc = {
+    "ephemeral": {
+        "volumeClaimTemplate": {
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "local-nvme",
+                "resources": {"requests": {"storage": "120Gi"}},
+            }
+        }
+    }
+}
 TIERS: Doc = {"hostGiB": 4, "diskGiB": 100, "diskPath": "/kv", "diskVolume": NVME}
 
 
@@ -155,6 +168,14 @@ def test_simulated_workers_get_tier_sizes_but_no_disk(monkeypatch: pytest.Monkey
     assert worker_settings(env, monkeypatch)["kv_offloading_disk_path"] == ""
 
 
+@pytest.mark.parametrize("volume", [{}, NVME, EPHEMERAL], ids=["emptyDir", "hostPath", "ephemeral"])
+def test_the_worker_with_tiers_is_valid_kubernetes(volume: Doc) -> None:
+    tiers = {**TIERS, "diskVolume": volume}
+    docs = render(None, worker_overrides({"kvOffloading": tiers}))
+    worker = find(docs, "StatefulSet", "skiff-worker")
+    assert validate_all([worker], KUBERNETES_VERSIONS[-1]) == 1
+
+
 def render_error(*overrides: str) -> str:
     """helm template's error for a render that must fail."""
     helm("show", "chart")  # skips without helm, or fails under CI
@@ -261,7 +282,7 @@ def test_the_schema_refuses_settings_the_services_refuse(override: Doc) -> None:
 
 def test_the_schema_takes_the_documented_examples() -> None:
     volume: Doc
-    for volume in (NVME, {"ephemeral": {"volumeClaimTemplate": {"spec": {}}}}):
+    for volume in (NVME, EPHEMERAL):
         tiers: Doc = {"hostGiB": 64, "diskGiB": 512, "diskVolume": volume}
         values = merged(VALUES, {"worker": {"kvOffloading": tiers}})
         assert not list(validator().iter_errors(values))
