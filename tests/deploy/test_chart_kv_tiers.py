@@ -17,7 +17,7 @@ import pytest
 
 from services.gateway.config import GatewayConfig
 from services.gateway.main import build_parser as gateway_parser
-from services.worker.config import RunnerConfig, WorkerServiceConfig
+from services.worker.config import RunnerConfig, SimConfig, WorkerServiceConfig
 from services.worker.main import build_parser as worker_parser
 from tests.deploy.test_chart_render import (
     CRD_API_VERSIONS,
@@ -32,10 +32,12 @@ from tests.deploy.test_chart_render import (
     validate_all,
     workloads,
 )
-from tests.deploy.test_deploy import CHART, VALUES, merged, validator
+from tests.deploy.test_deploy import CHART, VALUES, env_vars_read_by, merged, validator
 
 CPU = CHART / "ci" / "cpu-values.yaml"
 SIM = CHART / "ci" / "sim-values.yaml"
+GPU_PVC = CHART / "ci" / "gpu-pvc-values.yaml"
+WORKER = ("StatefulSet", "skiff-worker")
 NVME: Doc = {"hostPath": {"path": "/mnt/nvme/skiff-kv", "type": "Directory"}}
 Doc = dict[str, Any]
 EPHEMERAL: Doc = {
@@ -200,6 +202,49 @@ def test_a_memory_limit_that_cannot_hold_the_host_tier_fails(limit: str) -> None
 
 def test_the_transfer_port_must_not_be_the_metrics_port() -> None:
     assert "must differ" in render_error(worker_overrides({"kvTransfer": {"port": 9090}}))
+
+
+# SKIFF_* variables of `skiff worker` the chart does not set, and why.
+WORKER_NOT_IN_CHART = {
+    "SKIFF_NUM_BLOCKS": "sized from worker.kvCacheGiB (simulated workers: an H200's)",
+    "SKIFF_BLOCK_SIZE": "the services' default (16 tokens), as the gateways hash prompts",
+    "SKIFF_CUDA_GRAPHS": "always on in a deployment (extraEnv turns them off to debug)",
+    "SKIFF_FUSED_CPU_DECODE": "the CPU worker's default (extraEnv turns it off)",
+    "SKIFF_CPU_WEIGHTS": "exact fp32 by default; bf16 or int8 change outputs (extraEnv)",
+    "SKIFF_HEARTBEAT_INTERVAL": "a protocol timing, kept at the services' default",
+    "SKIFF_NATS_TLS_CERT": "the chart's NATS TLS verifies the server; clients use passwords",
+    "SKIFF_NATS_TLS_KEY": "the chart's NATS TLS verifies the server; clients use passwords",
+}
+
+
+def test_every_worker_setting_is_a_chart_value_or_left_out_on_purpose() -> None:
+    """A new worker setting (a tier's, say) fails here until the chart sets it or says why
+    not."""
+    read = env_vars_read_by("worker")
+    optional = [
+        'nats={"tls": {"enabled": true, "secretName": "nats-tls"}}',
+        'otlpTracesEndpoint="http://otel-collector:4318"',
+        'worker.kvOffloading={"hostGiB": 1, "diskGiB": 1}',  # over the case's own values
+    ]
+    set_by_chart: set[str] = set()
+    for case in (CPU, SIM, GPU_PVC):
+        for overrides in ((), optional):
+            set_by_chart |= set(env_of(container(render(case, *overrides), *WORKER)))
+    assert not set(WORKER_NOT_IN_CHART) & set_by_chart, "set by the chart: drop it"
+    assert set(WORKER_NOT_IN_CHART) <= read, "not a worker setting: drop it"
+    missing = read - set_by_chart - set(WORKER_NOT_IN_CHART)
+    assert not missing, f"`skiff worker` settings the chart cannot set: {sorted(missing)}"
+
+
+def test_simulated_kv_loads_take_the_sim_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render(SIM, "worker.sim.kvLoadGbps=12.5")
+    for name, value in env_of(container(docs, *WORKER)).items():
+        if name.startswith("SKIFF_") and isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    configs = worker_parser().parse_configs([])[1]
+    assert configs[SimConfig].sim_kv_load_gbps == 12.5
+    default = {f.name: f.default for f in dataclasses.fields(SimConfig)}["sim_kv_load_gbps"]
+    assert VALUES["worker"]["sim"]["kvLoadGbps"] == default
 
 
 # ---- NetworkPolicy ----------------------------------------------------------------------------
