@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
 import re
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -68,7 +70,6 @@ SYSTEM_PROMPT = (
 )
 MODES = ("off", "host", "host+disk")
 SERVED_NAME = "bench"
-LOG_DIR = Path(tempfile.gettempdir()) / "skiff-bench-kv"
 
 
 @dataclass(frozen=True)
@@ -176,8 +177,29 @@ class Turn:
     text: str
 
 
+class Stalled(RuntimeError):
+    """No stream got a token for too long: the stack stopped making progress. `turns`: those
+    that finished before."""
+
+    def __init__(self, message: str, turns: list[Turn]) -> None:
+        super().__init__(message)
+        self.turns = turns
+
+
+@dataclass
+class Progress:
+    """When any stream last got a chunk, and the turns finished."""
+
+    last: float = field(default_factory=time.perf_counter)
+    done: list[Turn] = field(default_factory=list)
+
+
 async def stream_turn(
-    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    progress: Progress | None = None,
 ) -> tuple[float, int, str]:
     """One greedy streamed completion: its TTFT, completion tokens (usage) and text."""
     body = {
@@ -199,6 +221,8 @@ async def stream_turn(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if progress is not None:
+                progress.last = time.perf_counter()
             for choice in chunk.get("choices") or []:
                 if not first:
                     first = time.perf_counter()
@@ -214,18 +238,44 @@ async def converse(
     tokenizer: TokenEncoder,
     workload: ChatWorkload,
     index: int,
-) -> list[Turn]:
+    progress: Progress,
+) -> None:
     """Conversation `index`, turn after turn, each with the whole history as its prompt."""
     await asyncio.sleep(workload.starts[index])
     history = list(workload.system)
-    turns = []
     for t, message in enumerate(workload.messages[index]):
         await asyncio.sleep(workload.think[index][t])
         history += message
-        ttft, tokens, text = await stream_turn(client, url, history, workload.max_tokens)
-        turns.append(Turn(index, t, len(history), ttft, tokens, text))
+        ttft, tokens, text = await stream_turn(client, url, history, workload.max_tokens, progress)
+        progress.done.append(Turn(index, t, len(history), ttft, tokens, text))
         history += tokenizer.encode(text, add_special_tokens=False)
-    return turns
+
+
+async def run_workload(
+    client: httpx.AsyncClient,
+    url: str,
+    tokenizer: TokenEncoder,
+    workload: ChatWorkload,
+    stall_s: float,
+) -> list[Turn]:
+    """Every conversation at once; raises Stalled when no stream gets a chunk for `stall_s`."""
+    progress = Progress()
+    n = len(workload.messages)
+    total = n * workload.num_turns
+    convs = asyncio.gather(
+        *(converse(client, url, tokenizer, workload, i, progress) for i in range(n))
+    )
+    while True:
+        done, _ = await asyncio.wait({convs}, timeout=1.0)
+        if done:
+            convs.result()  # raises what a conversation raised
+            return progress.done
+        if time.perf_counter() - progress.last > stall_s:
+            convs.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await convs
+            stalled = f"no token for {stall_s:.0f} s after {len(progress.done)} of {total} turns"
+            raise Stalled(stalled, progress.done)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -305,14 +355,20 @@ class ModeResult:
 
 
 def run_mode(
-    mode: str, workload: ChatWorkload, sizes: TierSizes, model_dir: str, tokenizer: TokenEncoder
+    mode: str,
+    workload: ChatWorkload,
+    sizes: TierSizes,
+    model_dir: str,
+    tokenizer: TokenEncoder,
+    log_dir: Path,
+    stall_s: float,
 ) -> ModeResult:
-    """Start a stack with `mode`'s tiers, run the workload once, scrape, stop."""
+    """Start a stack with `mode`'s tiers (its logs under `log_dir`), run the workload once,
+    scrape, stop."""
     metrics_port = free_port()
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     with tempfile.TemporaryDirectory(prefix="skiff-kv-disk-") as disk_path:
         runner = sizes.runner(mode, model_dir, disk_path)
-        log_dir = LOG_DIR / mode.replace("+", "-")
         stack = Stack(
             StackConfig(
                 runner,
@@ -331,18 +387,13 @@ def run_mode(
 
             async def run() -> tuple[float, list[Turn], dict[str, float]]:
                 async with httpx.AsyncClient(
-                    timeout=1800, limits=httpx.Limits(max_connections=256)
+                    timeout=None, limits=httpx.Limits(max_connections=256)
                 ) as client:
                     await stream_turn(client, stack.url, [1, 2, 3, 4], 4)  # warm-up
                     before = scrape(metrics_url)
                     t0 = time.perf_counter()
-                    convs = await asyncio.gather(
-                        *(
-                            converse(client, stack.url, tokenizer, workload, i)
-                            for i in range(len(workload.messages))
-                        )
-                    )
-                    return time.perf_counter() - t0, [t for c in convs for t in c], before
+                    turns = await run_workload(client, stack.url, tokenizer, workload, stall_s)
+                    return time.perf_counter() - t0, turns, before
 
             elapsed, turns, before = asyncio.run(run())
             time.sleep(1.5)  # the scheduler's counters follow its cores' stats
@@ -354,36 +405,41 @@ def run_mode(
     return ModeResult(mode, {f: getattr(runner, f) for f in fields}, elapsed, turns, hits)
 
 
-def output_differences(results: list[ModeResult]) -> int:
-    """Answers of the tier modes that differ from tiers off's (or are missing)."""
-    reference = results[0].answers()
-    return sum(
-        other.answers().get(key) != text for other in results[1:] for key, text in reference.items()
-    )
+def output_differences(
+    off: dict[tuple[int, int], str], tiered: list[dict[tuple[int, int], str]]
+) -> tuple[int, int]:
+    """Answers of the tier modes (conversation, turn -> text) that differ from tiers off's,
+    and how many were compared (a failed mode's finished turns count)."""
+    pairs = [(text, off.get(key)) for answers in tiered for key, text in answers.items()]
+    return sum(text != ref for text, ref in pairs), len(pairs)
 
 
-def ratio_lines(results: dict[str, ModeResult]) -> list[str]:
-    off = results["off"].summary["ttft_p50_s"]
-
-    def ratio(mode: str) -> float:
+def ratio_lines(results: dict[str, ModeResult], failures: dict[str, str]) -> list[str]:
+    """TTFT p50 of tiers off over each tier mode's; why one is missing when a mode failed."""
+    lines = []
+    for mode, label in (("host", "on"), ("host+disk", "host+disk")):
+        missing = [f"{m} mode {failures[m]}" for m in ("off", mode) if m in failures]
+        if missing:
+            lines.append(f"TTFT p50 ratio tiers off / {label} is missing: {'; '.join(missing)}")
+            continue
         on = results[mode].summary["ttft_p50_s"]
-        return off / on if on else 0.0
-
-    return [
-        f"TTFT p50 ratio tiers off / on: {ratio('host'):.2f}",
-        f"TTFT p50 ratio tiers off / host+disk: {ratio('host+disk'):.2f}",
-    ]
+        ratio = results["off"].summary["ttft_p50_s"] / on if on else 0.0
+        lines.append(f"TTFT p50 ratio tiers off / {label}: {ratio:.2f}")
+    return lines
 
 
-def table(results: dict[str, ModeResult]) -> list[str]:
+def table(results: dict[str, ModeResult], failures: dict[str, str]) -> list[str]:
     head = (
         f"{'mode':<10} {'TTFT p50 s':>10} {'TTFT p99 s':>10} {'output tok/s':>12} "
         f"{'prompt tok/s':>12} {'device hit':>10} {'host hit':>8} {'disk hit':>8} "
         f"{'external hit':>12}"
     )
     lines = [head]
-    for mode, r in results.items():
-        s, h = r.summary, r.hits
+    for mode in MODES:
+        if mode in failures:
+            lines.append(f"{mode:<10} failed: {failures[mode]}")
+            continue
+        s, h = results[mode].summary, results[mode].hits
         lines.append(
             f"{mode:<10} {s['ttft_p50_s']:>10.3f} {s['ttft_p99_s']:>10.3f} "
             f"{s['output_tokens_per_s']:>12.1f} {s['prompt_tokens_per_s']:>12.1f} "
@@ -407,8 +463,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--user-tokens", default="100,200", help="user message length range")
     p.add_argument("--max-tokens", type=int, default=32, help="answer length")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--stall-timeout", type=float, default=120.0, help="fail a mode after s without a token"
+    )
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "kv-tiers.json"))
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the stacks on the way out
     from services.worker.gguf_convert import ensure_default_model
     from shared.tokenizer import Tokenizer
 
@@ -436,12 +496,33 @@ def main(argv: list[str] | None = None) -> None:
         "GiB",
         flush=True,
     )
+    logs = Path(tempfile.mkdtemp(prefix="skiff-bench-kv-"))
+    print(f"service logs: {logs}")
     results: dict[str, ModeResult] = {}
+    answers: dict[str, dict[tuple[int, int], str]] = {}  # mode -> its answers, as finished
+    failures: dict[str, str] = {}  # mode -> why it has no result
     for mode in MODES:
-        results[mode] = run_mode(mode, workload, sizes, str(model_dir), tokenizer)
-        print(f"{mode}: {results[mode].elapsed_s:.1f} s", flush=True)
-    differences = output_differences(list(results.values()))
-    lines = [*table(results), f"output differences: {differences}", *ratio_lines(results)]
+        log_dir = logs / mode.replace("+", "-")
+        try:
+            result = run_mode(
+                mode, workload, sizes, str(model_dir), tokenizer, log_dir, args.stall_timeout
+            )
+        except Stalled as e:
+            answers[mode] = {(t.conversation, t.turn): t.text for t in e.turns}
+            failures[mode] = f"{e} (logs: {log_dir})"
+            print(f"{mode}: {failures[mode]}", flush=True)
+            continue
+        results[mode] = result
+        answers[mode] = result.answers()
+        print(f"{mode}: {result.elapsed_s:.1f} s", flush=True)
+    tiered = [a for m, a in answers.items() if m != "off"]
+    differences, compared = output_differences(answers.get("off", {}), tiered)
+    lines = [
+        *table(results, failures),
+        f"answers compared with tiers off: {compared}",
+        f"output differences: {differences}",
+        *ratio_lines(results, failures),
+    ]
     print("\n".join(lines))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -450,11 +531,15 @@ def main(argv: list[str] | None = None) -> None:
         "cpu": cpu_model(),
         "workload": {**vars(args), "sizes_blocks": asdict(sizes), "block_bytes": BLOCK_BYTES},
         "modes": {m: {**r.summary, "hits": r.hits, "runner": r.runner} for m, r in results.items()},
+        "failed_modes": failures,
+        "answers_compared": compared,
         "output_differences": differences,
         "lines": lines,
     }
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
+    if failures or differences:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

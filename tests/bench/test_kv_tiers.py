@@ -11,10 +11,15 @@ import pytest
 from bench.kv_tiers import (
     BLOCK_BYTES,
     GIB,
+    ModeResult,
+    Turn,
     chat_workload,
     hit_rates,
     main,
+    output_differences,
     parse_metrics,
+    ratio_lines,
+    table,
     tier_sizes,
 )
 
@@ -75,6 +80,38 @@ skiff_kv_tier_hits_total{origin="disk"} 0.0
     assert rates["disk"] == 0.0 and rates["remote"] == 0.0
 
 
+def mode_result(mode: str, ttfts: list[float], texts: list[str]) -> ModeResult:
+    turns = [
+        Turn(0, i, 100, t, 4, text) for i, (t, text) in enumerate(zip(ttfts, texts, strict=True))
+    ]
+    hits = dict.fromkeys(("device", "host", "disk", "remote", "external"), 0.25)
+    return ModeResult(mode, {}, 10.0, turns, hits)
+
+
+def test_lines_ratios_and_differences():
+    results = {
+        "off": mode_result("off", [3.0, 6.0, 9.0], ["a", "b", "c"]),
+        "host": mode_result("host", [1.0, 2.0, 3.0], ["a", "b", "c"]),
+        "host+disk": mode_result("host+disk", [1.0, 1.5, 4.0], ["a", "x", "c"]),
+    }
+    answers = {m: r.answers() for m, r in results.items()}
+    assert output_differences(answers["off"], [answers["host"], answers["host+disk"]]) == (1, 6)
+    assert output_differences(answers["off"], [{(0, 1): "b", (0, 2): "z"}]) == (1, 2)
+    assert ratio_lines(results, {}) == [
+        "TTFT p50 ratio tiers off / on: 3.00",
+        "TTFT p50 ratio tiers off / host+disk: 4.00",
+    ]
+    assert results["off"].summary["output_tokens_per_s"] == pytest.approx(1.2)
+    del results["host"]
+    failures = {"host": "no token for 120 s after 3 of 96 turns"}
+    assert ratio_lines(results, failures)[0] == (
+        "TTFT p50 ratio tiers off / on is missing: host mode no token for 120 s after 3 of 96 turns"
+    )
+    rows = table(results, failures)
+    assert rows[2] == "host       failed: no token for 120 s after 3 of 96 turns"
+    assert rows[3].split()[:3] == ["host+disk", "1.500", "4.000"]
+
+
 @pytest.mark.e2e
 def test_tiny_run_prints_lines_that_parse(tmp_path, capsys, smollm2_dir):
     out = tmp_path / "kv.json"
@@ -90,5 +127,6 @@ def test_tiny_run_prints_lines_that_parse(tmp_path, capsys, smollm2_dir):
     assert differences and [r[0] for r in ratios] == ["on", "host+disk"]
     report = json.loads(out.read_text())
     assert report["output_differences"] == int(differences.group(1))
+    assert report["answers_compared"] == 8  # 2 conversations x 2 turns, in both tier modes
     assert set(report["modes"]) == {"off", "host", "host+disk"}
     assert report["command"].startswith("python -m bench.kv_tiers --conversations 2")
