@@ -395,7 +395,16 @@ def run_mode(
                     turns = await run_workload(client, stack.url, tokenizer, workload, stall_s)
                     return time.perf_counter() - t0, turns, before
 
-            elapsed, turns, before = asyncio.run(run())
+            try:
+                elapsed, turns, before = asyncio.run(run())
+            except Stalled as e:
+                m = scrape(metrics_url)
+                state = (
+                    f"; the scheduler then: {m.get('vllm:num_requests_running', 0):.0f} "
+                    f"running, {m.get('vllm:num_requests_waiting', 0):.0f} waiting, device KV "
+                    f"usage {m.get('vllm:kv_cache_usage_perc', 0):.0%}"
+                )
+                raise Stalled(f"{e}{state}", e.turns) from None
             time.sleep(1.5)  # the scheduler's counters follow its cores' stats
             prompt_tokens = sum(t.prompt_tokens for t in turns)
             hits = hit_rates(before, scrape(metrics_url), prompt_tokens)
