@@ -17,20 +17,24 @@ from shared.wire import KV_DEVICE, WorkerHello
 
 
 class FleetKV:
-    """`RemoteKV` of one worker: the healthy other workers of `peers()` with a KV-transfer
-    address, as (hello, core)."""
+    """`RemoteKV` of one worker, whose blocks are `kv_block_bytes` each: the healthy other
+    workers of `peers()`, as (hello, core), with a KV-transfer address and blocks alike."""
 
     def __init__(
-        self, worker_id: str, peers: Callable[[], Iterable[tuple[WorkerHello, Scheduler]]]
+        self,
+        worker_id: str,
+        kv_block_bytes: int,
+        peers: Callable[[], Iterable[tuple[WorkerHello, Scheduler]]],
     ) -> None:
         self.worker_id = worker_id
+        self.kv_block_bytes = kv_block_bytes
         self._peers = peers
 
     def find(self, block_hash: bytes) -> BlockSource | None:
         for hello, core in self._peers():
             if hello.worker_id == self.worker_id or not hello.kv_transfer_address:
                 continue
-            if hello.kv_block_bytes != core.kv_block_bytes:
+            if hello.kv_block_bytes != self.kv_block_bytes:
                 continue
             source = _readable(hello, core, block_hash)
             if source is not None:

@@ -31,7 +31,7 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request registered
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached
-        self.step_id = 0  # the plan being built: blocks cached now are computed by it
+        self.step_id = 0  # the next plan: blocks cached (or offloaded) now are written by it
 
     @property
     def num_blocks(self) -> int:

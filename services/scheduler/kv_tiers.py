@@ -148,7 +148,8 @@ class LowerTiers:
 
     def _copy(self, src_tier: str, dst_tier: str, src: int, dst: int) -> None:
         last = self._copies[-1] if self._copies else None
-        if last is not None and (last.src_tier, last.dst_tier) == (src_tier, dst_tier):
+        same_kind = last is not None and (last.src_tier, last.dst_tier) == (src_tier, dst_tier)
+        if last is not None and same_kind and dst not in last.dst:  # one write per slot
             last.src.append(src)
             last.dst.append(dst)
         else:

@@ -96,7 +96,6 @@ class Scheduler:
         self._queued_tokens: dict[str, int] = {}
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []  # to tell the worker in the next plan
-        self.step_id = 0
         self.num_preemptions = 0
         self.pacer = PrefillPacer(config)
         # vLLM's default when prefills are paced: 4% of the context length
@@ -104,6 +103,15 @@ class Scheduler:
             1, self.max_model_len // 25
         )
         self._long_prefill_s: float | None = None  # seconds left to this step's long prefills
+
+    @property
+    def step_id(self) -> int:
+        """The id of the next plan: blocks cached or written down now are ready with it."""
+        return self.kv.step_id
+
+    @step_id.setter
+    def step_id(self, step_id: int) -> None:
+        self.kv.step_id = step_id
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -189,7 +197,6 @@ class Scheduler:
         preempted: list[Request] = []
         kv_loads: list[KVLoad] = []
         self._long_prefill_s = None
-        self.kv.step_id = self.step_id
         budget = self._schedule_running(
             self.config.max_num_batched_tokens, num_scheduled, cached_reqs, preempted
         )
@@ -449,7 +456,8 @@ class Scheduler:
         if output.kv_load_s > 0.0 and output.kv_load_bytes:
             bps = output.kv_load_bytes / output.kv_load_s
             self.kv_load_bps += SMOOTHING * (bps - self.kv_load_bps)
-        for job in self.loads.reported(output.kv_loads_done, output.kv_loads_failed):
+        ended = self.loads.reported(output.kv_loads_done, output.kv_loads_failed)
+        for job in reversed(ended):  # each goes to the front: the first ends up first
             request = job.request
             request.status = RequestStatus.PREEMPTED if job.was_preempted else RequestStatus.WAITING
             if job.failed:

@@ -75,7 +75,7 @@ class WorkerPool:
             kv_block_bytes=hello.kv_block_bytes,
         )
         if config.enable_prefix_caching:
-            core.remote = FleetKV(hello.worker_id, self._peers)
+            core.remote = FleetKV(hello.worker_id, hello.kv_block_bytes, self._peers)
         if old is not None:  # step ids keep rising, so a late result of the old core is ignored
             core.step_id = old.core.step_id + 1
         handle = WorkerHandle(hello, core)
