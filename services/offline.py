@@ -9,6 +9,7 @@ print(out[0].outputs[0].text)
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypedDict
 
+from services.scheduler.kv_tiers import LowerTiers
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput, Scheduler, plan_has_work
 from services.worker.config import RunnerConfig
@@ -121,6 +123,7 @@ class LLM:
         runner_config = {k: v for k, v in config.items() if k in _RUNNER_KEYS}
         self.runner = build_runner(RunnerConfig(model_dir=str(model), **runner_config))
         rc, mc = self.runner.config, self.runner.model_config
+        tiers = self.runner.kv_tiers.stats
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=rc.max_num_seqs,
@@ -130,6 +133,8 @@ class LLM:
             ),
             self.runner.num_blocks,
             eos_token_ids=mc.eos_token_ids,
+            tiers=LowerTiers(tiers.num_host_blocks, tiers.num_disk_blocks),
+            kv_block_bytes=tiers.block_bytes,
         )
         self.tokenizer = Tokenizer(model)
         self.serialize_messages = serialize_messages
@@ -137,6 +142,13 @@ class LLM:
         self._output_decoder = decoder(ModelRunnerOutput)
         self._ids = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
+        # the runner's disk tier file goes with the engine, closed or collected
+        self._close_runner = weakref.finalize(self, self.runner.close)
+
+    def close(self) -> None:
+        """Release the runner's KV tiers (its disk-tier file) and thread."""
+        self._executor.shutdown()
+        self._close_runner()
 
     def generate(
         self,

@@ -5,7 +5,8 @@ A waiting request whose prefix continues below the device pool does not compute 
 admission finds each further block's source (this worker's host or disk tier, else another
 worker of the shard), pins it, gives the request device blocks and puts `KVLoad`s in the plan.
 The worker runs them alongside that plan's forward pass and reports each load in the plan's
-result; the request is then admitted with those tokens computed. A failed load (source gone,
+result; the loaded blocks then join the device prefix cache and the request goes back to the
+front of the queue, where admission finds them as prefix hits. A failed load (source gone,
 checksum mismatch) sends the request back to be computed from its device-cached prefix.
 """
 
@@ -85,7 +86,6 @@ class LoadJob:
     request: Request
     sources: list[BlockSource]
     load_ids: set[int]  # not reported yet
-    num_computed_tokens: int  # once loaded
     was_preempted: bool  # the worker holds its state from before
     plan_step: int  # the plan that carries the loads
     failed: bool = False

@@ -47,7 +47,8 @@ class Request:
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
-        self.num_load_failures = 0  # prefix loads that failed: it computes its prefix then
+        # Its prefix loaded from lower KV tiers since it was last admitted (Scheduler)
+        self.num_prefix_loads = 0
         # Stalls and lost workers while a step of it was in flight, over its placements
         self.num_failures = 0
         self.finish_reason: FinishReason | None = None

@@ -46,6 +46,9 @@ from shared.wire import (
 
 DEFAULT_KV_LOAD_BPS = 1e9  # load bandwidth assumed until a load was measured, bytes/s
 MIN_LOAD_WINDOW_S = 0.02  # a plan's loads may take this long at least, beyond the first
+# Prefix loads of a request between two admissions: past it (its loaded blocks were evicted
+# before it was admitted, or a load failed) it computes its prefix.
+MAX_PREFIX_LOADS = 2
 
 
 @dataclass
@@ -345,16 +348,12 @@ class Scheduler:
     ) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if self.kv.req_blocks.get(request.req_id):  # its prefix was loaded
-                hits: list[KVBlock] = []
-                num_hit_tokens = request.num_computed_tokens
-            else:
-                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-                loading = self._load_prefix(request, hits, kv_loads)
-                if loading:
-                    continue
-                if loading is not None:
-                    break  # no room or time for its loads in this step
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            loading = self._load_prefix(request, hits, kv_loads)
+            if loading:
+                continue
+            if loading is not None:
+                break  # no time for its loads in this step
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             num_new = self._pace(request, num_new, num_scheduled)
             if num_new <= 0:
@@ -364,14 +363,14 @@ class Scheduler:
                 break
             self._dequeue(self.waiting.pop())
             request.num_computed_tokens = num_hit_tokens
+            request.num_prefix_loads = 0
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
-            block_ids = self.kv.block_ids(request)  # loaded ones included
             if request.status == RequestStatus.PREEMPTED:
                 cached_reqs.append(
                     CachedRequestData(
                         req_id=request.req_id,
-                        new_block_ids=block_ids,
+                        new_block_ids=new_block_ids,
                         num_computed_tokens=num_hit_tokens,
                         resumed=True,
                     )
@@ -383,7 +382,7 @@ class Scheduler:
                         prompt_token_ids=request.prompt_token_ids,
                         output_token_ids=list(request.output_token_ids),  # a snapshot
                         sampling_params=request.sampling_params,
-                        block_ids=block_ids,
+                        block_ids=new_block_ids,
                         num_computed_tokens=num_hit_tokens,
                     )
                 )
@@ -403,8 +402,10 @@ class Scheduler:
         step's load window, None when there is nothing to load."""
         if not self.kv.tiers.enabled and self.remote is None:
             return None
-        if request.num_load_failures or request.sampling_params.prompt_logprobs is not None:
-            return None  # recompute after a failed load; prompt logprobs need the prompt run
+        if request.num_prefix_loads >= MAX_PREFIX_LOADS:
+            return None  # its loads failed, or their blocks were evicted before it ran
+        if request.sampling_params.prompt_logprobs is not None:
+            return None  # prompt logprobs need the prompt run
         max_blocks = (request.num_tokens - 1) // self.kv.block_size
         hashes = self.kv.block_hashes(request)[len(hits) : max_blocks]
         if not hashes:
@@ -424,13 +425,9 @@ class Scheduler:
         blocks = self.kv.allocate_for_load(request, hits, len(sources))
         assert blocks is not None  # they fit
         self._dequeue(self.waiting.pop())
+        request.num_prefix_loads += 1
         job = LoadJob(
-            request,
-            sources,
-            set(),
-            (len(hits) + len(sources)) * self.kv.block_size,
-            request.status == RequestStatus.PREEMPTED,
-            self.step_id,
+            request, sources, set(), request.status == RequestStatus.PREEMPTED, self.step_id
         )
         kv_loads.extend(self.loads.start(job, blocks))
         request.status = RequestStatus.WAITING_FOR_KV
@@ -451,8 +448,8 @@ class Scheduler:
         return self.kv_load_bps * max(self.pacer.decode_s, MIN_LOAD_WINDOW_S)
 
     def _loads_reported(self, output: ModelRunnerOutput) -> None:
-        """Admit the requests whose loads completed; send those with a failed load back to
-        compute their prefix."""
+        """Send the requests whose loads ended back to the front of the queue: their loaded
+        blocks now in the prefix cache, or, after a failed load, to compute their prefix."""
         if output.kv_load_s > 0.0 and output.kv_load_bytes:
             bps = output.kv_load_bytes / output.kv_load_s
             self.kv_load_bps += SMOOTHING * (bps - self.kv_load_bps)
@@ -461,16 +458,16 @@ class Scheduler:
             request = job.request
             request.status = RequestStatus.PREEMPTED if job.was_preempted else RequestStatus.WAITING
             if job.failed:
-                self.kv.free(request)
-                request.num_computed_tokens = 0
-                request.num_load_failures += 1
+                request.num_prefix_loads = MAX_PREFIX_LOADS
             else:
                 self.kv.commit_loaded(request, job.plan_step)
-                request.num_computed_tokens = job.num_computed_tokens
                 for source in job.sources:
                     self.tier_hits[source.origin] = (
                         self.tier_hits.get(source.origin, 0) + self.kv.block_size
                     )
+            # Its blocks wait in the prefix cache, not held: admission finds them there, and
+            # requests waiting with blocks could otherwise hold the pool with none running.
+            self.kv.free(request)
             self._enqueue(request, preempted=True)
         for tier, slots in output.kv_lost.items():
             self.num_tier_blocks_lost += self.kv.tiers.lost(tier, slots)

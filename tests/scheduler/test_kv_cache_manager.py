@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from services.scheduler.kv_cache_manager import KVCacheManager
-from shared.prefix_hash import iter_block_hashes
 from services.scheduler.request import Request
+from shared.prefix_hash import iter_block_hashes
 from shared.sampling_params import SamplingParams
 
 

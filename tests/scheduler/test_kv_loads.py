@@ -13,7 +13,7 @@ from services.scheduler.kv_loads import REMOTE, KVLoads, LoadJob, find_sources
 from services.scheduler.kv_tiers import LowerTiers, TierSlot
 from services.scheduler.placement import Placement
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.scheduler import Scheduler, plan_has_work
+from services.scheduler.scheduler import MAX_PREFIX_LOADS, Scheduler, plan_has_work
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared.wire import KV_DEVICE, KV_DISK, KV_HOST, KVLoad, ModelRunnerOutput, WorkerHello
 from tests.scheduler.fakes import make_hello, unpaced_config
@@ -120,7 +120,9 @@ def test_an_offloaded_prefix_is_loaded_before_the_request_is_admitted() -> None:
     assert "b" not in plan2.num_scheduled_tokens and plan2.kv_loads == [] and not plan2.new_reqs
     assert status(b) == RequestStatus.WAITING_FOR_KV
     respond(plan, s)  # the load plan's result reports the load
-    assert status(b) == RequestStatus.WAITING and b.num_computed_tokens == 64
+    # back in the queue, its loaded blocks in the prefix cache rather than held
+    assert status(b) == RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert s.kv.block_ids(b) == [] and b.num_prefix_loads == 1
     for block_id, block_hash in zip(load.block_ids, hashes, strict=True):
         cached = s.kv.pool.get_cached_block(block_hash)  # findable before b is admitted
         assert cached is not None and cached.block_id == block_id
@@ -180,12 +182,34 @@ def test_a_prefix_longer_than_the_free_pool_loads_what_fits_and_computes_the_res
     (load,) = plan.kv_loads
     assert load.src == [host_entry(s, x).slot for x in hashes[:2]]
     assert [host_entry(s, x).pins for x in hashes] == [1, 1, 0, 0]
-    respond(plan, s)  # r finishes too
+    respond(plan, s)  # r finishes too: room for the rest of the prefix
+    plan = s.schedule()
+    (rest,) = plan.kv_loads
+    assert rest.src == [host_entry(s, x).slot for x in hashes[2:]] and not plan.new_reqs
+    respond(plan, s)
     plan = s.schedule()
     (new,) = plan.new_reqs
-    assert (new.req_id, new.num_computed_tokens) == ("b", 32)
-    assert new.block_ids[:2] == load.block_ids and len(new.block_ids) == 6
-    assert plan.num_scheduled_tokens == {"b": len(LONGER) - 32}
+    assert (new.req_id, new.num_computed_tokens) == ("b", 64)
+    assert new.block_ids[:4] == load.block_ids + rest.block_ids and len(new.block_ids) == 6
+    assert plan.num_scheduled_tokens == {"b": len(LONGER) - 64}
+
+
+def test_a_request_stops_loading_once_its_loads_were_evicted_twice() -> None:
+    s = make_scheduler()
+    offloaded(s, PROMPT)
+    hashes = hashes_of(PROMPT)
+    s.add_request(req("b", LONGER, max_tokens=1))
+    for _ in range(MAX_PREFIX_LOADS):
+        plan = s.schedule()
+        assert len(plan.kv_loads) == 1
+        respond(plan, s)
+        for x in hashes:  # the loaded blocks are evicted before b is admitted
+            block = s.kv.pool.get_cached_block(x)
+            if block is not None:
+                s.kv.pool.uncache(block)
+    plan = s.schedule()
+    assert plan.kv_loads == []
+    assert plan.new_reqs[0].num_computed_tokens == 0
 
 
 def test_a_failed_load_sends_the_request_back_to_compute_its_prefix() -> None:
@@ -198,7 +222,7 @@ def test_a_failed_load_sends_the_request_back_to_compute_its_prefix() -> None:
     assert len(plan.kv_loads) == 1
     respond(plan, s, fail_loads=True)
     b = s.requests["b"]
-    assert status(b) == RequestStatus.WAITING and b.num_load_failures == 1
+    assert status(b) == RequestStatus.WAITING and b.num_prefix_loads == MAX_PREFIX_LOADS
     assert [host_entry(s, x).pins for x in hashes[1:]] == [0, 0, 0]
     assert s.kv.pool.get_cached_block(hashes[1]) is None  # the blocks it loaded into
     plan = s.schedule()
@@ -268,7 +292,7 @@ def test_a_preempted_request_resumes_by_loading_its_offloaded_blocks() -> None:
     y = s.requests["y"]
     assert status(y) == RequestStatus.WAITING_FOR_KV and not plan.cached_reqs
     respond(plan, s)
-    assert status(y) == RequestStatus.PREEMPTED and y.num_computed_tokens == 64
+    assert status(y) == RequestStatus.PREEMPTED and y.num_computed_tokens == 0
     plan = s.schedule()
     (resumed,) = plan.cached_reqs
     assert resumed.req_id == "y" and resumed.resumed and resumed.num_computed_tokens == 64
