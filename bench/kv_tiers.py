@@ -1,7 +1,7 @@
 """Tiered KV cache on the served stack: multi-turn chats with the lower KV tiers off, with a
 host-memory tier, and with host + local-disk tiers, one stack after another in one run.
 
-    python -m bench.kv_tiers [--conversations 16] [--turns 6] [--think-time 1.0]
+    python -m bench.kv_tiers [--conversations 16] [--turns 6] [--think-time 10]
                              [--user-tokens 100,200] [--max-tokens 32] [--seed 0]
 
 Each stack is gateway + scheduler + one CPU worker on the embedded SmolLM2-135M (as
@@ -11,6 +11,13 @@ turn streams a greedy completion (`max_tokens`, `ignore_eos`) of the whole histo
 ids, then appends the answer (its text, tokenized) and the next user message. Conversations
 start at random offsets within one think time and wait a random think time (exponential, mean
 `--think-time`) between their turns, so turns of all of them interleave.
+
+The think time sets the load, each conversation sending a turn per think time plus response
+time. The default, 10 s, is short for a person who reads a 32-token answer and types 100-200
+tokens; with it, 16 conversations are more than 2 cores serve when every turn computes its
+whole history, and fewer than they serve when the history is loaded from a tier. With much
+shorter think times both modes are overloaded, TTFT is mostly queueing in both, and their
+ratio comes down to the throughput ratio (about 2x on 2 cores at 1 s).
 
 The worker's device KV pool holds about a quarter of the live history at the end (the sum of
 every conversation's final history, at 45 KiB per token for this model in fp32); the host tier
@@ -101,7 +108,7 @@ def chat_workload(
     turns: int,
     user_tokens: tuple[int, int] = (100, 200),
     max_tokens: int = 32,
-    think_time: float = 1.0,
+    think_time: float = 10.0,
     seed: int = 0,
 ) -> ChatWorkload:
     """User messages of random corpus words, cut to a length drawn from `user_tokens`."""
@@ -468,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--think-time", type=float, default=1.0, help="mean pause between turns, s")
+    p.add_argument("--think-time", type=float, default=10.0, help="mean pause between turns, s")
     p.add_argument("--user-tokens", default="100,200", help="user message length range")
     p.add_argument("--max-tokens", type=int, default=32, help="answer length")
     p.add_argument("--seed", type=int, default=0)
