@@ -6,6 +6,9 @@ bit positions of a hash are taken from its first k little-endian 32-bit words (k
 mapped onto the m bits by multiply-shift. No false negatives; false positives at the rate
 the sizing allows (about 1 % unless the size cap forces fewer bits per hash).
 
+Plain Python (the gateway and scheduler images carry no numpy): building touches about
+m ln 2 bits at most, whatever the number of hashes, since k shrinks as the cap binds.
+
 Layout, little-endian: magic `SKPS`, format version (u8), k (u8), reserved (u16, 0), m bits
 (u32, a multiple of 64), hashes inserted (u32), then the m bits (bit i is bit i % 8 of byte
 i // 8). Empty bytes are the empty summary.
@@ -16,9 +19,6 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Iterable
-
-import numpy as np
-import numpy.typing as npt
 
 DEFAULT_MAX_BYTES = 64 * 1024
 TARGET_FALSE_POSITIVE_RATE = 0.01
@@ -50,18 +50,22 @@ def build(
     max_bits = (max_bytes - _HEADER.size) // 8 * 64
     num_bits = min(max(64, math.ceil(wanted_bits / 64) * 64), max_bits)
     k = min(max(1, round(num_bits / num_items * math.log(2))), MAX_NUM_HASHES)
-    bits = np.zeros(num_bits, dtype=np.bool_)  # [m]
-    bits[_positions(list(unique), k, num_bits).ravel()] = True
+    bits = bytearray(num_bits // 8)
+    for block_hash in unique:
+        for pos in _positions(block_hash, k, num_bits):
+            bits[pos >> 3] |= 1 << (pos & 7)
     header = _HEADER.pack(_MAGIC, _VERSION, k, 0, num_bits, num_items)
-    return header + np.packbits(bits, bitorder="little").tobytes()
+    return header + bytes(bits)
 
 
-def _positions(hashes: list[bytes], k: int, num_bits: int) -> npt.NDArray[np.uint64]:
-    """The k bit positions of each hash: [len(hashes), k]."""
-    if set(map(len, hashes)) - {HASH_BYTES}:
+_WORDS = struct.Struct(f"<{MAX_NUM_HASHES}I")
+
+
+def _positions(block_hash: bytes, k: int, num_bits: int) -> list[int]:
+    """The k bit positions of one hash."""
+    if len(block_hash) != HASH_BYTES:
         raise ValueError(f"block hashes must be {HASH_BYTES} bytes")
-    words = np.frombuffer(b"".join(hashes), dtype="<u4").reshape(len(hashes), MAX_NUM_HASHES)
-    return (words[:, :k].astype(np.uint64) * np.uint64(num_bits)) >> np.uint64(32)
+    return [(word * num_bits) >> 32 for word in _WORDS.unpack(block_hash)[:k]]
 
 
 class PrefixSummary:
@@ -70,7 +74,7 @@ class PrefixSummary:
 
     def __init__(self, blob: bytes = b"") -> None:
         self.num_hashes = self.num_bits = self.num_items = 0
-        self._bits: npt.NDArray[np.uint8] = np.zeros(0, dtype=np.uint8)  # [m / 8]
+        self._bits = b""
         if not blob:
             return
         if len(blob) < _HEADER.size:
@@ -87,7 +91,7 @@ class PrefixSummary:
                 f"prefix summary of {num_bits} bits has {len(blob) - _HEADER.size} bytes of bits"
             )
         self.num_hashes, self.num_bits, self.num_items = k, num_bits, num_items
-        self._bits = np.frombuffer(blob, dtype=np.uint8, offset=_HEADER.size)
+        self._bits = blob[_HEADER.size :]
 
     def __len__(self) -> int:
         """Hashes inserted."""
@@ -109,7 +113,8 @@ class PrefixSummary:
         the first miss, so a false positive past it does not count."""
         if not self.num_bits or not block_hashes:
             return 0
-        pos = _positions(block_hashes, self.num_hashes, self.num_bits)  # [n, k]
-        hit = (self._bits[pos >> np.uint64(3)] >> (pos & np.uint64(7)).astype(np.uint8)) & 1
-        present = hit.all(axis=1)  # [n]
-        return len(block_hashes) if present.all() else int(np.argmin(present))
+        bits, k, m = self._bits, self.num_hashes, self.num_bits
+        for i, block_hash in enumerate(block_hashes):
+            if not all(bits[p >> 3] >> (p & 7) & 1 for p in _positions(block_hash, k, m)):
+                return i
+        return len(block_hashes)
