@@ -49,6 +49,7 @@ class Request:
         self.num_preemptions = 0
         # Its prefix loaded from lower KV tiers since it was last admitted (Scheduler)
         self.num_prefix_loads = 0
+        self.num_loaded_tokens = 0  # prefix tokens those loads brought back
         # Stalls and lost workers while a step of it was in flight, over its placements
         self.num_failures = 0
         self.finish_reason: FinishReason | None = None

@@ -363,7 +363,11 @@ class Scheduler:
                 break
             self._dequeue(self.waiting.pop())
             request.num_computed_tokens = num_hit_tokens
-            request.num_prefix_loads = 0
+            # its loaded blocks count as lower-tier hits (tier_hits), not device ones
+            if request.sampling_params.prompt_logprobs is None:  # those never look up
+                device_hits = max(num_hit_tokens - request.num_loaded_tokens, 0)
+                self.kv.record_lookup(request.num_tokens, device_hits)
+            request.num_prefix_loads = request.num_loaded_tokens = 0
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             if request.status == RequestStatus.PREEMPTED:
@@ -461,6 +465,7 @@ class Scheduler:
                 request.num_prefix_loads = MAX_PREFIX_LOADS
             else:
                 self.kv.commit_loaded(request, job.plan_step)
+                request.num_loaded_tokens += len(job.sources) * self.kv.block_size
                 for source in job.sources:
                     self.tier_hits[source.origin] = (
                         self.tier_hits.get(source.origin, 0) + self.kv.block_size
