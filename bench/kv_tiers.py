@@ -60,6 +60,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.served import greedy_stream_body  # noqa: E402
 from bench.workload import CORPUS, TokenEncoder  # noqa: E402
 from services.gateway.config import GatewayConfig  # noqa: E402
 from services.launcher import Stack, StackConfig, free_port  # noqa: E402
@@ -209,15 +210,7 @@ async def stream_turn(
     progress: Progress | None = None,
 ) -> tuple[float, int, str]:
     """One greedy streamed completion: its TTFT, completion tokens (usage) and text."""
-    body = {
-        "model": SERVED_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = greedy_stream_body(SERVED_NAME, prompt, max_tokens)
     start = time.perf_counter()
     first = 0.0
     tokens = 0

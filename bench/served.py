@@ -36,6 +36,20 @@ from services.scheduler.config import SchedulerServiceConfig  # noqa: E402
 from services.worker.config import RunnerConfig  # noqa: E402
 from shared.config import SchedulerConfig  # noqa: E402
 
+
+def greedy_stream_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """A streamed greedy /v1/completions body of exactly `max_tokens` tokens, with usage."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 Samples = dict[int, dict[str, list[float]]]  # concurrency -> {"ttft": [...], "itl": [...]} (s)
 
 
@@ -55,15 +69,7 @@ async def stream_completion(
 ) -> tuple[float, list[float], int]:
     """One greedy streamed completion (any OpenAI-compatible server): its start, the time of
     each chunk that carries a choice, and the completion tokens the server's usage reports."""
-    body = {
-        "model": "bench",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = greedy_stream_body("bench", prompt, max_tokens)
     start = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
