@@ -96,6 +96,7 @@ class SimShard:
         num_new = request.num_tokens - num_computed
         if self.kv.allocate_slots(request, num_new, computed) is None:
             return False
+        self.kv.record_lookup(request.num_tokens, num_computed)  # as the scheduler counts
         request.num_computed_tokens = request.num_tokens
         self.running[request.req_id] = request
         return True

@@ -165,18 +165,16 @@ def launch_stack(smollm2_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def stack(launch_stack, smollm2_dir):
+def stack(launch_stack):
     """The stack most end-to-end tests share, started once per session, with the scheduler's
-    defaults as `make serve` has them (the model's whole 8,192-token context) and a small host
-    KV tier; its scheduler and worker serve /metrics (tests/observability scrapes them with a
-    real Prometheus)."""
+    defaults as `make serve` has them (the model's whole 8,192-token context); its scheduler
+    and worker serve /metrics (tests/observability scrapes them with a real Prometheus)."""
     from services.launcher import free_port
-    from services.worker.config import RunnerConfig
     from shared.config import SchedulerConfig
 
     s = launch_stack(
         "stack",
-        runner=RunnerConfig(str(smollm2_dir), kv_cache_gib=0.5, kv_offloading_size=0.25),
+        kv_cache_gib=0.5,
         scheduler=SchedulerConfig(),
         scheduler_metrics_port=free_port(),
         worker_http_port=free_port(),
