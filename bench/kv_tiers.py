@@ -60,7 +60,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.served import greedy_stream_body  # noqa: E402
+from bench.served import greedy_stream_body, sse_chunks  # noqa: E402
 from bench.workload import CORPUS, TokenEncoder  # noqa: E402
 from services.gateway.config import GatewayConfig  # noqa: E402
 from services.launcher import Stack, StackConfig, free_port  # noqa: E402
@@ -216,11 +216,7 @@ async def stream_turn(
     tokens = 0
     parts: list[str] = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(resp):
             if progress is not None:
                 progress.last = time.perf_counter()
             for choice in chunk.get("choices") or []:

@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,14 @@ from services.launcher import Stack, StackConfig, free_port  # noqa: E402
 from services.scheduler.config import SchedulerServiceConfig  # noqa: E402
 from services.worker.config import RunnerConfig  # noqa: E402
 from shared.config import SchedulerConfig  # noqa: E402
+
+
+async def sse_chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of a streamed completion's server-sent events (an HTTP error raises)."""
+    resp.raise_for_status()
+    async for line in resp.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
 
 
 def greedy_stream_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -74,11 +83,7 @@ async def stream_completion(
     stamps: list[float] = []
     tokens = 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(resp):
             if chunk.get("choices"):
                 stamps.append(time.perf_counter())
             if chunk.get("usage"):
