@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from services.worker.kv_transfer import KVIntegrityError
 
 from services.worker.config import RunnerConfig
 from services.worker.kv_tiers import disk_tier
 from services.worker.kv_tiers.blocks import block_nbytes, gather_blocks
 from services.worker.kv_tiers.executor import KVTierExecutor
 from services.worker.kv_tiers.setup import build_kv_tiers, disk_file_name
+from services.worker.kv_transfer import KVIntegrityError
 from shared.wire import KV_DEVICE, KV_DISK, KV_HOST, KVCopy, KVLoad, ModelRunnerOutput
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 3, 10, 4, 2, 8
