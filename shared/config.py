@@ -64,6 +64,11 @@ class SchedulerConfig:
         "while other requests decode, long prefill chunks get at most this share of a "
         "step's time (1: no limit)",
     )
+    disaggregation_threshold: int = setting(
+        512,
+        "a prompt with more uncached tokens than this is prefilled on a prefill worker and "
+        "decoded on a decode worker, when the shard has both (docs/disaggregation.md)",
+    )
 
     def __post_init__(self) -> None:
         check_positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
@@ -71,6 +76,10 @@ class SchedulerConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
+        if self.disaggregation_threshold < 0:
+            raise ValueError(
+                f"disaggregation_threshold must be >= 0, got {self.disaggregation_threshold}"
             )
         if self.long_prefill_token_threshold < 0 or self.long_prefill_step_time < 0:
             raise ValueError("long_prefill_token_threshold and long_prefill_step_time must be >= 0")

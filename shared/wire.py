@@ -19,7 +19,8 @@ from shared.sampling_params import SamplingParams
 # 5: tiered KV cache: BatchPlan.kv_copies and .kv_loads, their results in ModelRunnerOutput,
 #    a worker's lower tiers and KV-transfer address in WorkerHello, SchedulerHeartbeat.block_size
 #    and .prefix_summary
-PROTOCOL_VERSION = 5
+# 6: WorkerHello.role (prefill/decode disaggregation)
+PROTOCOL_VERSION = 6
 M = TypeVar("M", bound=msgspec.Struct)
 
 
@@ -56,6 +57,11 @@ class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
 # The tiers of a worker's KV cache: its device pool, a host-memory pool and a local-disk tier.
 # A block is addressed by its index in the tier (block id on the device, slot below).
 KV_DEVICE, KV_HOST, KV_DISK = "device", "host", "disk"
+
+# What a worker runs (docs/disaggregation.md): every request (mixed), only the prefill of long
+# prompts, whose KV then moves to a decode worker (prefill), or decodes and short prompts (decode).
+ROLE_MIXED, ROLE_PREFILL, ROLE_DECODE = "mixed", "prefill", "decode"
+WORKER_ROLES = (ROLE_MIXED, ROLE_PREFILL, ROLE_DECODE)
 
 
 class KVCopy(msgspec.Struct, array_like=True):
@@ -317,6 +323,7 @@ class WorkerHello(msgspec.Struct, kw_only=True):
     # host:port of the worker's KV-transfer server, where other workers fetch its blocks
     # ("": none)
     kv_transfer_address: str = ""
+    role: str = ROLE_MIXED  # one of WORKER_ROLES
     version: int = PROTOCOL_VERSION
 
 

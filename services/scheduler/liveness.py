@@ -181,14 +181,7 @@ class Liveness:
                     "while executing it; it is not retried",
                 )
                 continue
-            moved = Request(
-                request.req_id,
-                request.prompt_token_ids,
-                request.sampling_params,
-                output_token_ids=request.output_token_ids,
-                priority=request.priority,
-            )
-            moved.arrival_time = request.arrival_time
+            moved = request.successor()
             moved.num_failures = failures
             self._metrics.migrations.inc()
             self.placement.place(moved)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.scheduler.handoff import OUTCOMES
+from shared.wire import WORKER_ROLES
+
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RTT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, *STEP_BUCKETS)
 REJECT_STATUSES = ("400", "429", "503")  # services/scheduler/admission.py
@@ -15,6 +18,7 @@ class SchedulerMetrics:
         self.registry = CollectorRegistry()
         self._add_vllm_metrics(model_name)
         self._add_kv_tier_metrics()
+        self._add_disaggregation_metrics()
         self._add_liveness_metrics()
         self._add_step_metrics()
 
@@ -83,6 +87,40 @@ class SchedulerMetrics:
             "their prefixes are computed again.",
             registry=r,
         )
+
+    def _add_disaggregation_metrics(self) -> None:
+        """Prefill/decode disaggregation: hand-overs, their KV transfers, requests by role."""
+        r = self.registry
+        self.pd_handoffs = Counter(
+            "skiff_pd_handoffs",
+            "Requests handed from a prefill worker to a decode worker, by outcome: its KV "
+            "transferred, recomputed (the transfer failed), or local (no decode worker).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in OUTCOMES:
+            self.pd_handoffs.labels(outcome)
+        self.pd_transfer_bytes = Counter(
+            "skiff_pd_transfer_bytes",
+            "KV bytes decode workers fetched from prefill workers.",
+            registry=r,
+        )
+        self.pd_transfer_seconds = Histogram(
+            "skiff_pd_transfer_seconds",
+            "From a hand-over until its KV is in place on the decode worker.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.role_requests = Gauge(
+            "skiff_role_requests",
+            "Requests on the workers of each role, running or waiting (waiting includes "
+            "those whose KV is being fetched).",
+            ["role", "state"],
+            registry=r,
+        )
+        for role in WORKER_ROLES:
+            for state in ("running", "waiting"):
+                self.role_requests.labels(role, state)
 
     def _add_liveness_metrics(self) -> None:
         """Workers, gateways and the requests their failures move or end."""

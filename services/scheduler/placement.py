@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
+from services.scheduler.handoff import Handoff
 from services.scheduler.request import Request
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 
@@ -11,11 +13,18 @@ from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 class Placement:
     """Puts requests on the cheapest worker of `pool` and keeps track of them until they
     finish, are aborted or lose their worker. `wake(worker_id)` tells that worker's driver
-    there is something to schedule."""
+    there is something to schedule; `on_landed` (`Handoff.on_landed`) hears of each hand-over
+    from a prefill worker that landed."""
 
-    def __init__(self, pool: WorkerPool, wake: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        wake: Callable[[str], None],
+        on_landed: Callable[[Handoff, int], None] = lambda _handoff, _bytes: None,
+    ) -> None:
         self.pool = pool
         self._wake = wake
+        self._on_landed = on_landed
         self.worker_of: dict[str, WorkerHandle] = {}  # req_id -> worker
         self.unplaced: list[Request] = []
 
@@ -36,6 +45,24 @@ class Placement:
         worker.core.add_request(request)
         self.worker_of[request.req_id] = worker
         self._wake(worker.worker_id)
+
+    def hand_off(self, source: WorkerHandle, request: Request) -> None:
+        """Move a request that the prefill worker `source` computed up to its first token
+        (`Scheduler.hand_off_ready`) to a decode worker, which fetches its blocks from
+        `source`; with no decode worker to take it, it decodes on `source`, where its blocks
+        are (released at once, to be found in its prefix cache)."""
+        moved = request.successor()
+        moved.num_cached_tokens = request.num_cached_tokens
+        release = functools.partial(source.core.release_handed_off, request.req_id)
+        moved.handoff = Handoff(source.worker_id, release, self._on_landed)
+        target = self.pool.select_decode(moved, source)
+        if target is None:
+            moved.handoff.local = True
+            release()
+            target = source
+        target.core.add_request(moved)
+        self.worker_of[moved.req_id] = target
+        self._wake(target.worker_id)
 
     def place_unplaced(self) -> None:
         pending, self.unplaced = self.unplaced, []
@@ -59,4 +86,6 @@ class Placement:
         worker.core.loads.cancel_all()
         for request in survivors:
             self.worker_of.pop(request.req_id, None)
+            if request.handoff is not None:
+                request.handoff.drop()
         return survivors

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.scheduler.handoff import Handoff
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +56,10 @@ class Request:
         self.num_loaded_tokens = 0  # prefix tokens those loads brought back
         # Stalls and lost workers while a step of it was in flight, over its placements
         self.num_failures = 0
+        # Disaggregation (handoff.py): prefilled here, then handed to a decode worker once its
+        # first token is sampled; or, on the decode worker, on its way from the prefill worker.
+        self.prefill_only = False
+        self.handoff: Handoff | None = None
         self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None
 
@@ -70,6 +78,20 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def successor(self) -> Request:
+        """A new request with this one's tokens so far, parameters and arrival time, to go on
+        on another worker (its KV cache is that worker's to compute or fetch)."""
+        moved = Request(
+            self.req_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            output_token_ids=self.output_token_ids,
+            priority=self.priority,
+        )
+        moved.arrival_time = self.arrival_time
+        moved.num_failures = self.num_failures
+        return moved
 
     def append_output_token(self, token_id: int) -> None:
         """Append a sampled token; it fills a placeholder if one is outstanding."""

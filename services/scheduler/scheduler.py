@@ -16,6 +16,10 @@ down to the worker's host tier by copies the next plan carries; a waiting reques
 continues in a lower tier, or on another worker, has it loaded back first (kv_loads.py) and is
 admitted once the worker reports the load.
 
+Disaggregation (handoff.py): a request placed on a prefill worker (`prefill_only`) is computed
+up to its first sampled token, then `hand_off_ready` takes it out, its blocks held until its
+decode worker has fetched them; there it waits for the fetch like any prefix load.
+
 Async scheduling: a request that samples in a step gets an output placeholder, so the next
 plan can be built before the step's result arrives (the worker feeds in its own sampled
 token); `update` fills placeholders with the real tokens and runs the stop checks.
@@ -27,7 +31,14 @@ from dataclasses import dataclass, field
 
 from services.scheduler.block_pool import KVBlock
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.kv_loads import KVLoads, LoadJob, RemoteKV, find_sources, release
+from services.scheduler.kv_loads import (
+    BlockSource,
+    KVLoads,
+    LoadJob,
+    RemoteKV,
+    find_sources,
+    release,
+)
 from services.scheduler.kv_tiers import LowerTiers
 from services.scheduler.prefill_pacer import SMOOTHING, PrefillPacer
 from services.scheduler.request import FinishReason, Request, RequestStatus
@@ -106,6 +117,8 @@ class Scheduler:
             1, self.max_model_len // 25
         )
         self._long_prefill_s: float | None = None  # seconds left to this step's long prefills
+        self._prefill_only: set[str] = set()  # requests to hand off once they sampled
+        self.handed_off: dict[str, Request] = {}  # their blocks held until released
 
     @property
     def step_id(self) -> int:
@@ -127,6 +140,8 @@ class Scheduler:
                 f"the limit is {self.max_model_len - 1}"
             )
         self.requests[request.req_id] = request
+        if request.prefill_only:
+            self._prefill_only.add(request.req_id)
         self._enqueue(request)
 
     def abort(self, req_ids: list[str]) -> list[Request]:
@@ -137,6 +152,36 @@ class Scheduler:
                 self._finish(request, FinishReason.ABORT)
                 aborted.append(request)
         return aborted
+
+    def hand_off_ready(self) -> list[Request]:
+        """Take out the prefill-only requests that have their first token and nothing in
+        flight, for a decode worker; their blocks stay held until `release_handed_off`."""
+        ready: list[Request] = []
+        for req_id in list(self._prefill_only):
+            request = self.requests[req_id]
+            if not request.num_output_tokens or request.num_output_placeholders:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status == RequestStatus.PREEMPTED:
+                self.waiting.remove(request)
+                self._dequeue(request)
+            else:
+                continue  # its prefix is being loaded
+            self.finished_req_ids.append(req_id)  # the worker drops its state
+            self._prefill_only.discard(req_id)
+            self.pacer.forget(req_id)
+            del self.requests[req_id]
+            request.status = RequestStatus.FINISHED
+            self.handed_off[req_id] = request
+            ready.append(request)
+        return ready
+
+    def release_handed_off(self, req_id: str) -> None:
+        """Free the blocks of a handed-off request (fetched, or no longer needed)."""
+        request = self.handed_off.pop(req_id, None)
+        if request is not None:
+            self.kv.forget(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loads)
@@ -306,6 +351,8 @@ class Scheduler:
         num_outputs = request.num_output_tokens + request.num_output_placeholders
         if max_tokens is not None and num_outputs >= max_tokens:
             return 0
+        if request.prefill_only and num_outputs:
+            return 0  # it decodes on another worker
         return min(
             request.num_tokens_with_placeholders - request.num_computed_tokens,
             self.max_model_len - 1 - request.num_computed_tokens,
@@ -363,8 +410,12 @@ class Scheduler:
                 break
             self._dequeue(self.waiting.pop())
             request.num_computed_tokens = num_hit_tokens
-            # its loaded blocks count as lower-tier hits (tier_hits), not device ones
-            if request.sampling_params.prompt_logprobs is None:  # those never look up
+            if request.handoff is not None:  # its lookup was counted on its prefill worker
+                num_blocks = request.num_loaded_tokens // self.kv.block_size
+                request.handoff.land(num_blocks * self.kv_block_bytes)
+                request.handoff = None  # from now on it is a request of this worker
+            elif request.sampling_params.prompt_logprobs is None:  # those never look up
+                # its loaded blocks count as lower-tier hits (tier_hits), not device ones
                 device_hits = max(num_hit_tokens - request.num_loaded_tokens, 0)
                 self.kv.record_lookup(request.num_tokens, device_hits)
             request.num_prefix_loads = request.num_loaded_tokens = 0
@@ -414,6 +465,8 @@ class Scheduler:
         hashes = self.kv.block_hashes(request)[len(hits) : max_blocks]
         if not hashes:
             return None
+        if request.handoff is not None:
+            return self._fetch_handed_off(request, hits, hashes, kv_loads)
         remote = self.remote if self._remote_pays() else None
         sources = find_sources(self.kv.tiers, remote, hashes)
         room = self.kv.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
@@ -426,6 +479,50 @@ class Scheduler:
         if kv_loads and planned + num_bytes > self._load_window_bytes():
             release(sources)
             return False
+        self._start_load(request, hits, sources, kv_loads)
+        return True
+
+    def _fetch_handed_off(
+        self, request: Request, hits: list[KVBlock], hashes: list[bytes], kv_loads: list[KVLoad]
+    ) -> bool | None:
+        """`_load_prefix` of a request handed over by a prefill worker: its prompt blocks
+        (`hashes`, after its device hits `hits`) fetched in chunks of what the load window
+        moves in one plan, so that no decode step waits long for them. It waits until all
+        its blocks fit, unless nothing runs here (then what fits is fetched and the rest
+        computed); a chunk whose predecessor's blocks were evicted before it counts against
+        MAX_PREFIX_LOADS."""
+        assert request.handoff is not None
+        handoff = request.handoff
+        if len(hits) <= handoff.num_hits_at_fetch:
+            request.num_prefix_loads += 1  # no progress since its last fetch
+            if request.num_prefix_loads >= MAX_PREFIX_LOADS:
+                return None
+        block_size = self.kv.block_size
+        room = self.kv.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
+        needed = -(-request.num_tokens // block_size) - len(hits)
+        if room < needed and self.running:
+            return False  # it waits for room, as an admission without blocks does
+        planned = sum(len(load.block_ids) for load in kv_loads) * self.kv_block_bytes
+        window = self._load_window_bytes() - planned
+        if kv_loads and window < self.kv_block_bytes:
+            return False
+        chunk = max(int(window // max(self.kv_block_bytes, 1)), 1)
+        sources = find_sources(self.kv.tiers, self.remote, hashes[: min(chunk, max(room, 0))])
+        if not sources:
+            return None
+        handoff.num_hits_at_fetch = len(hits)
+        self._start_load(request, hits, sources, kv_loads)
+        return True
+
+    def _start_load(
+        self,
+        request: Request,
+        hits: list[KVBlock],
+        sources: list[BlockSource],
+        kv_loads: list[KVLoad],
+    ) -> None:
+        """Take the request at the head of the queue out of it while `sources` are loaded
+        into new blocks after its device hits `hits`; the loads join `kv_loads`."""
         blocks = self.kv.allocate_for_load(request, hits, len(sources))
         assert blocks is not None  # they fit
         self._dequeue(self.waiting.pop())
@@ -435,7 +532,6 @@ class Scheduler:
         )
         kv_loads.extend(self.loads.start(job, blocks))
         request.status = RequestStatus.WAITING_FOR_KV
-        return True
 
     def _remote_pays(self) -> bool:
         """Whether fetching a block from another worker beats computing it (unknown until a
@@ -466,7 +562,8 @@ class Scheduler:
             else:
                 self.kv.commit_loaded(request, job.plan_step)
                 request.num_loaded_tokens += len(job.sources) * self.kv.block_size
-                for source in job.sources:
+                # a hand-over's fetch is counted as such (handoff.py), not as a prefix hit
+                for source in job.sources if request.handoff is None else ():
                     self.tier_hits[source.origin] = (
                         self.tier_hits.get(source.origin, 0) + self.kv.block_size
                     )
@@ -574,6 +671,9 @@ class Scheduler:
                 self.finished_req_ids.append(request.req_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self._prefill_only.discard(request.req_id)
+        if request.handoff is not None:
+            request.handoff.drop()
         self.kv.forget(request)
         self.pacer.forget(request.req_id)
         del self.requests[request.req_id]

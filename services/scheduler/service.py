@@ -17,6 +17,7 @@ from nats.aio.client import Client
 from services.scheduler.admission import Admission
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.gateways import GatewayLiveness
+from services.scheduler.handoff import TRANSFERRED, Handoff
 from services.scheduler.liveness import Liveness
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.output_router import OutputRouter
@@ -56,7 +57,7 @@ class SchedulerService:
         self.epoch = new_epoch()  # sorts after every earlier scheduler's
         self.metrics = SchedulerMetrics(config.served_model_name)
         self.pool = WorkerPool(scheduler_config)
-        self.placement = Placement(self.pool, wake=self._wake)
+        self.placement = Placement(self.pool, wake=self._wake, on_landed=self._handoff_landed)
         self.admission = Admission(self.pool, self.placement, config.max_waiting)
         self.router = OutputRouter(self._publish, self.subjects)
         self.liveness = Liveness(
@@ -251,6 +252,7 @@ class SchedulerService:
             deadline=self.deadline,
             metrics=self.metrics,
             on_outputs=self._on_outputs,
+            on_handoff=self.placement.hand_off,
             on_stall=self.liveness.on_stall,
             traces=self.traces,
         )
@@ -275,6 +277,13 @@ class SchedulerService:
                 self.placement.finish(out.req_id)
                 self._finished(out.req_id, out.finish_reason.value)
         await self.router.publish(outputs)  # gauges follow on the monitor's tick, not per step
+
+    def _handoff_landed(self, handoff: Handoff, num_loaded_bytes: int) -> None:
+        outcome = handoff.outcome(num_loaded_bytes)
+        self.metrics.pd_handoffs.labels(outcome).inc()
+        if outcome == TRANSFERRED:
+            self.metrics.pd_transfer_bytes.inc(num_loaded_bytes)
+            self.metrics.pd_transfer_seconds.observe(time.monotonic() - handoff.started_at)
 
     def _wake(self, worker_id: str) -> None:
         self.liveness.wake(worker_id)

@@ -11,7 +11,7 @@ from services.scheduler.placement import Placement
 from services.scheduler.prefix_summaries import pool_prefix_summary
 from services.scheduler.worker_pool import WorkerPool
 from shared.prefix_summary import DEFAULT_MAX_BYTES
-from shared.wire import SchedulerHeartbeat, SchedulerStats, WorkerStats
+from shared.wire import WORKER_ROLES, SchedulerHeartbeat, SchedulerStats, WorkerStats
 
 
 class Telemetry:
@@ -87,11 +87,18 @@ class Telemetry:
             for s in stats
             if any(s.kv_tier_blocks.values())
         )
+        by_role: dict[tuple[str, str], int] = {}
         for wid, s in by_worker.items():
+            role = self.pool.workers[wid].role
+            for state, num in (("running", s.num_running), ("waiting", s.num_waiting)):
+                by_role[role, state] = by_role.get((role, state), 0) + num
             for tier, num_slots in s.kv_tier_blocks.items():
                 if num_slots:
                     used = s.kv_tier_used_blocks.get(tier, 0)
                     m.kv_tier_usage.labels(wid, tier).set(used / num_slots)
+        for role in WORKER_ROLES:
+            for state in ("running", "waiting"):
+                m.role_requests.labels(role, state).set(by_role.get((role, state), 0))
         for counter, total in totals.items():  # counters follow totals kept by the cores
             counted = self._counted.get(counter, 0)
             counter.inc(max(total - counted, 0))

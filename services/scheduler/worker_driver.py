@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import msgspec
 
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput, plan_has_work
 from services.scheduler.tracing import RequestTraces
 from services.scheduler.worker_pool import WorkerHandle
@@ -48,7 +49,8 @@ class StepInFlight:
 
 
 class WorkerDriver:
-    """Drives one worker's core. `on_outputs` receives each step's outputs; `on_stall` is
+    """Drives one worker's core. `on_outputs` receives each step's outputs; `on_handoff`
+    each request the core hands to a decode worker (`Scheduler.hand_off_ready`); `on_stall` is
     called (from the loop, which then ends) when a step's result misses its `deadline`,
     counted from when the worker could start it (its publication, or the previous result with
     two plans in flight) or from the last heartbeat that reported progress on the step,
@@ -67,6 +69,7 @@ class WorkerDriver:
         deadline: StepDeadline,
         metrics: SchedulerMetrics,
         on_outputs: Callable[[list[RequestOutput]], Awaitable[None]],
+        on_handoff: Callable[[WorkerHandle, Request], None],
         on_stall: Callable[[WorkerHandle], None],
         traces: RequestTraces | None = None,
     ) -> None:
@@ -77,6 +80,7 @@ class WorkerDriver:
         self._deadline = deadline
         self._metrics = metrics
         self._on_outputs = on_outputs
+        self._on_handoff = on_handoff
         self._on_stall = on_stall
         self._traces = traces  # None: tracing off
         self._max_in_flight = worker.core.max_plans_in_flight
@@ -146,6 +150,8 @@ class WorkerDriver:
             self._idle_seconds.inc(output.idle_s)
             t0 = time.perf_counter()
             outputs = core.update(output)
+            for request in core.hand_off_ready():
+                self._on_handoff(self.worker, request)
             await self._on_outputs(outputs)
             self._metrics.schedule_seconds.observe(schedule_s + time.perf_counter() - t0)
 
@@ -188,7 +194,9 @@ class WorkerDriver:
             self._stamp(plan)
             now = time.monotonic()
             for new in plan.new_reqs:  # first admission (or arrival on this worker)
-                self._metrics.queue_time.observe(now - core.requests[new.req_id].arrival_time)
+                request = core.requests[new.req_id]
+                if not request.num_output_tokens:  # a moved one was admitted before
+                    self._metrics.queue_time.observe(now - request.arrival_time)
             step = StepInFlight(
                 plan.step_id,
                 plan.total_num_scheduled_tokens,

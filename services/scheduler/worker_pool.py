@@ -13,7 +13,7 @@ from services.scheduler.kv_tiers import LowerTiers
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from shared.config import SchedulerConfig
-from shared.wire import WorkerHello, WorkerStats
+from shared.wire import ROLE_PREFILL, WorkerHello, WorkerStats
 
 
 @dataclass
@@ -31,6 +31,10 @@ class WorkerHandle:
     @property
     def worker_id(self) -> str:
         return self.hello.worker_id
+
+    @property
+    def role(self) -> str:
+        return self.hello.role
 
     def heard(self, beat: WorkerHello) -> None:
         """A heartbeat of this instance: alive, and if its progress counter went up since the
@@ -123,20 +127,64 @@ class WorkerPool:
     # ---- placement -----------------------------------------------------------------------
 
     def select(self, request: Request) -> WorkerHandle:
-        """The healthy worker where `request` costs least: the full blocks of its tokens not
-        cached there plus the blocks in use there, counted in tokens (blocks of that worker's
-        own size times its block size, so workers with different block sizes compare fairly),
-        plus the tokens of the requests queued there and not yet scheduled (so a burst spreads
-        before any of it holds blocks); ties go to the worker holding fewer requests."""
+        """The healthy worker where `request` costs least (`_cost`). Prefill workers take only
+        the requests to disaggregate (`_disaggregates`), marked `prefill_only`; the others go
+        to the decode and mixed workers, or to any worker when there are none."""
         healthy = [w for w in self.workers.values() if w.healthy]
         if not healthy:
             raise LookupError("no worker is ready")
         token_ids = request.all_token_ids
+        uncached = {w.worker_id: w.core.num_uncached_blocks(token_ids) for w in healthy}
+        prefill = [w for w in healthy if w.role == ROLE_PREFILL]
+        serving = [w for w in healthy if w.role != ROLE_PREFILL]
+        if prefill and serving and self._disaggregates(request, serving, uncached):
+            request.prefill_only = True
+            return min(prefill, key=lambda w: _cost(w, uncached[w.worker_id]))
+        return min(serving or healthy, key=lambda w: _cost(w, uncached[w.worker_id]))
 
-        def cost(w: WorkerHandle) -> tuple[int, int]:
-            core = w.core
-            blocks = core.num_uncached_blocks(token_ids) + core.num_used_blocks
-            tokens = blocks * core.config.block_size + core.num_waiting_tokens
-            return tokens, len(core.running) + len(core.waiting)
+    def select_decode(self, request: Request, source: WorkerHandle) -> WorkerHandle | None:
+        """The healthy decode or mixed worker other than `source` where `request`, handed
+        over by the prefill worker `source`, costs least: by KV room and load (None: none)."""
+        targets = [
+            w
+            for w in self.workers.values()
+            if w.healthy and w.role != ROLE_PREFILL and w is not source
+        ]
+        token_ids = request.all_token_ids
+        return min(
+            targets, key=lambda w: _cost(w, w.core.num_uncached_blocks(token_ids)), default=None
+        )
 
-        return min(healthy, key=cost)
+    def _disaggregates(
+        self, request: Request, serving: list[WorkerHandle], uncached: dict[str, int]
+    ) -> bool:
+        """Whether a new request's prompt, where it is cached most among the decode and mixed
+        workers, leaves more than `disaggregation_threshold` tokens to compute. Requests with
+        tokens already generated (moved ones), and those asking for prompt logprobs (computed
+        where the prompt runs), are not disaggregated; nor anything without prefix caching,
+        which the hand-over's fetch relies on."""
+        if not self.config.enable_prefix_caching or request.num_output_tokens:
+            return False
+        if request.sampling_params.prompt_logprobs is not None:
+            return False
+        num_tokens = request.num_tokens
+
+        def uncached_tokens(w: WorkerHandle) -> int:
+            block_size = w.core.kv.block_size
+            num_cached = num_tokens // block_size - uncached[w.worker_id]
+            return num_tokens - num_cached * block_size
+
+        return min(uncached_tokens(w) for w in serving) > self.config.disaggregation_threshold
+
+
+def _cost(worker: WorkerHandle, num_uncached_blocks: int) -> tuple[int, int]:
+    """What a request costs on `worker`, whose prefix cache (all tiers) lacks
+    `num_uncached_blocks` of its full blocks: those plus the blocks in use there, counted in
+    tokens (blocks of that worker's own size times its block size, so workers with different
+    block sizes compare fairly), plus the tokens of the requests queued there and not yet
+    scheduled (so a burst spreads before any of it holds blocks); ties go to the worker holding
+    fewer requests."""
+    core = worker.core
+    blocks = num_uncached_blocks + core.num_used_blocks
+    tokens = blocks * core.config.block_size + core.num_waiting_tokens
+    return tokens, len(core.running) + len(core.waiting)

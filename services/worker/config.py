@@ -16,6 +16,7 @@ from shared.config import (
     NatsClientConfig,
     check_positive,
 )
+from shared.wire import ROLE_MIXED, WORKER_ROLES
 
 DTYPES = ("float32", "float16", "bfloat16")
 # the CPU worker's projection weights (services/worker/weight_format.py); fp32 is exact
@@ -33,6 +34,11 @@ class WorkerServiceConfig(NatsClientConfig):
     scheduler_shards: int = setting(
         1, "scheduler shards; this worker serves the one its id's number selects (modulo)"
     )
+    role: str = setting(
+        ROLE_MIXED,
+        "mixed: every request; prefill: only long prompts' prefill, decoded elsewhere; "
+        "decode: decodes and short prompts (docs/disaggregation.md)",
+    )
     heartbeat_interval: float = setting(1.0, "seconds between worker heartbeats")
     log_level: str = setting(DEFAULT_LOG_LEVEL, "DEBUG, INFO, WARNING or ERROR")
     # The KV-transfer server, where other workers fetch this worker's KV blocks
@@ -48,6 +54,8 @@ class WorkerServiceConfig(NatsClientConfig):
         if self.heartbeat_interval <= 0:
             raise ValueError("heartbeat interval must be > 0")
         check_positive(self, "scheduler_shards")
+        if self.role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {', '.join(WORKER_ROLES)}, got {self.role!r}")
         if not 0 <= self.kv_transfer_port <= 65535:
             raise ValueError(f"kv_transfer_port must be in [0, 65535], got {self.kv_transfer_port}")
 

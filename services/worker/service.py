@@ -42,7 +42,10 @@ NO_SESSION = ("", "")  # (BatchPlan.scheduler_epoch, BatchPlan.worker_session) b
 
 class KVTiers(Protocol):
     """A runner's KV tiers: their sizes and counters, and what it serves to other workers
-    (None: nothing, no KV-transfer server)."""
+    (None: nothing, no KV-transfer server). `transfer_address`: the address to advertise
+    without a KV-transfer server ("": none; simulated tiers "fetch" at a modelled bandwidth)."""
+
+    transfer_address: str
 
     @property
     def stats(self) -> KVTierStats: ...
@@ -165,7 +168,10 @@ class WorkerService:
             num_host_blocks=kv.num_host_blocks,
             num_disk_blocks=kv.num_disk_blocks,
             kv_block_bytes=kv.block_bytes,
-            kv_transfer_address=self.kv_transfer.address if self.kv_transfer is not None else "",
+            kv_transfer_address=self.kv_transfer.address
+            if self.kv_transfer is not None
+            else r.kv_tiers.transfer_address,
+            role=self.config.role,
         )
 
     def start_kv_transfer(self) -> None:

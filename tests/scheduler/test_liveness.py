@@ -48,6 +48,7 @@ class Harness:
             deadline=StepDeadline(self.step_timeout_s),
             metrics=self.metrics,
             on_outputs=on_outputs,
+            on_handoff=self.placement.hand_off,
             on_stall=self.liveness.on_stall,
         )
         driver.start()

@@ -38,8 +38,10 @@ class Harness:
             deadline=StepDeadline(step_timeout_s, per_token_s),
             metrics=self.metrics,
             on_outputs=self.on_outputs,
+            on_handoff=lambda _worker, request: self.handed_off.append(request),
             on_stall=self.on_stall,
         )
+        self.handed_off: list[Request] = []
 
     def on_stall(self, worker: WorkerHandle) -> None:
         self.stalled.append(worker)

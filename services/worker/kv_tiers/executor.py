@@ -63,6 +63,8 @@ class KVTierExecutor:
     """The device pool's `kv_caches` (one [2, num_blocks, block_size, kv_heads, head_dim]
     tensor per layer) with its lower tiers (`host`, `disk`: None when off)."""
 
+    transfer_address = ""  # the KV-transfer server's, which serves `block_source()`
+
     def __init__(
         self,
         kv_caches: list[torch.Tensor],

@@ -9,10 +9,15 @@ from shared.wire import KV_DEVICE, KV_DISK, KV_HOST, KVCopy, KVLoad, ModelRunner
 
 # Llama-3-8B stores K and V for 32 layers x 8 KV heads x 128 dims in bf16: 128 KiB per token.
 SIM_KV_BYTES_PER_TOKEN = 128 * 2**10
+# What simulated workers advertise as their KV-transfer address: no server is behind it, a fetch
+# from another simulated worker takes the modelled time like a load from a lower tier.
+SIM_TRANSFER_ADDRESS = "sim"
 
 
 class SimKVTiers:
     """The tiers of a simulated device pool of `num_blocks` blocks of `block_size` tokens."""
+
+    transfer_address = SIM_TRANSFER_ADDRESS
 
     def __init__(
         self, num_blocks: int, block_size: int, host_gib: float, disk_gib: float, load_gbps: float
