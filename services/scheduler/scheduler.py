@@ -479,6 +479,7 @@ class Scheduler:
         if kv_loads and planned + num_bytes > self._load_window_bytes():
             release(sources)
             return False
+        request.num_prefix_loads += 1
         self._start_load(request, hits, sources, kv_loads)
         return True
 
@@ -526,7 +527,6 @@ class Scheduler:
         blocks = self.kv.allocate_for_load(request, hits, len(sources))
         assert blocks is not None  # they fit
         self._dequeue(self.waiting.pop())
-        request.num_prefix_loads += 1
         job = LoadJob(
             request, sources, set(), request.status == RequestStatus.PREEMPTED, self.step_id
         )
