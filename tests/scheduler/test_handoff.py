@@ -44,9 +44,9 @@ class Fleet:
     def on_landed(self, handoff: Handoff, num_bytes: int) -> None:
         self.landed.append((handoff.outcome(num_bytes), num_bytes))
 
-    def step(self, worker: WorkerHandle, **respond_kw: bool) -> BatchPlan:
+    def step(self, worker: WorkerHandle, *, fail_loads: bool = False) -> BatchPlan:
         plan = worker.core.schedule()
-        self.collect(respond(plan, worker.core, **respond_kw))
+        self.collect(respond(plan, worker.core, fail_loads=fail_loads))
         for request in worker.core.hand_off_ready():
             self.placement.hand_off(worker, request)
         return plan
@@ -147,7 +147,7 @@ def test_a_large_prompt_is_fetched_in_chunks_of_the_load_window() -> None:
     first = decode.core.schedule()
     assert [len(load.block_ids) for load in first.kv_loads] == [2]
     respond(first, decode.core)
-    chunks = []
+    chunks: list[int] = []
     while not fleet.landed and len(chunks) < 20:
         decode.core.kv_load_bps = 2 * BLOCK_BYTES / 0.02
         chunks += [len(load.block_ids) for load in fleet.step(decode).kv_loads]
