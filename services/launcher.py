@@ -44,6 +44,7 @@ from shared.nats_auth import (
     write_private,
 )
 from shared.subjects import shard_prefixes
+from shared.wire import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL
 
 
 def free_port() -> int:
@@ -93,7 +94,13 @@ class StackConfig:
     )
     nats_server_tls_key: str = setting("", "our nats-server's TLS private key")
     nats_tls_ca: str = setting("", "CA of the NATS server's certificate: every service uses TLS")
-    workers: int = setting(1, "workers to start")
+    workers: int = setting(1, "workers to start (at least prefill plus decode workers)")
+    prefill_workers: int = setting(
+        0, "of the workers, this many prefill only long prompts (docs/disaggregation.md)"
+    )
+    decode_workers: int = setting(
+        0, "of the workers, this many decode the long prompts prefill workers computed"
+    )
     scheduler_shards: int = setting(
         1, "scheduler processes; shard i owns workers i, i+N, ... (see docs/architecture.md)"
     )
@@ -105,6 +112,19 @@ class StackConfig:
     )
     log_dir: str | None = setting(None, "", cli=False)  # None: children log to our stderr
 
+    def __post_init__(self) -> None:
+        if self.prefill_workers < 0 or self.decode_workers < 0:
+            raise ValueError("prefill_workers and decode_workers must be >= 0")
+        if (
+            self.prefill_workers
+            and not self.decode_workers
+            and self.workers <= self.prefill_workers
+        ):
+            raise ValueError(
+                "prefill workers need decode (or mixed) workers to hand their requests to: "
+                "add --decode-workers"
+            )
+
     @property
     def subject_prefix(self) -> str:
         return self.scheduler_service.subject_prefix
@@ -113,6 +133,16 @@ class StackConfig:
     def simulated(self) -> bool:
         """Simulated workers (runner device sim), all in one process."""
         return self.runner.device == SIM_DEVICE
+
+    @property
+    def worker_roles(self) -> list[str]:
+        """Each worker's role, by index: prefill workers first, then decode, then mixed."""
+        num_mixed = max(self.workers - self.prefill_workers - self.decode_workers, 0)
+        return [
+            *[ROLE_PREFILL] * self.prefill_workers,
+            *[ROLE_DECODE] * self.decode_workers,
+            *[ROLE_MIXED] * num_mixed,
+        ]
 
     @property
     def served_model_name(self) -> str:
@@ -189,7 +219,7 @@ class Stack:
         if not self._nats_users:
             c = self.config
             users = [NatsUser(role, new_password(), role) for role in (ADMIN, GATEWAY, SCHEDULER)]
-            ids = [f"worker-{i}" for i in range(c.workers)]
+            ids = [f"worker-{i}" for i in range(len(c.worker_roles))]
             if c.simulated:  # one process, one connection for every worker
                 users.append(NatsUser(SIM_WORKERS_USER, new_password(), WORKER, tuple(ids)))
             else:
@@ -243,15 +273,17 @@ class Stack:
     def start_worker(self, index: int) -> None:
         """worker-<index> in a process of its own (a simulated one with device sim)."""
         argv = self._worker_argv(f"worker-{index}", index)
+        argv += ["--role", self.config.worker_roles[index]]
         if self.config.simulated:
             argv += to_argv(self.config.sim)
         self._spawn(f"worker-{index}", self._python("services.worker.main", *argv))
 
     def start_sim_workers(self) -> None:
         """All `workers` simulated workers in one process, ids worker-0, worker-1, ..."""
-        n = self.config.workers
+        roles = self.config.worker_roles
+        n = len(roles)
         argv = self._worker_argv("worker-0" if n == 1 else "worker", 0)  # --count adds -0, -1, ...
-        argv += [*to_argv(self.config.sim), "--count", str(n)]
+        argv += [*to_argv(self.config.sim), "--count", str(n), "--roles", ",".join(roles)]
         self._spawn("sim-workers", self._python("services.worker.main", *argv))
 
     def _worker_argv(self, worker_id: str, index: int) -> list[str]:
@@ -296,11 +328,11 @@ class Stack:
                 say(f"starting scheduler (shard {shard})")
                 self.start_scheduler(shard)
             if self.config.simulated:
-                say(f"starting {self.config.workers} simulated worker(s)")
+                say(f"starting {len(self.config.worker_roles)} simulated worker(s)")
                 self.start_sim_workers()
             else:
-                for i in range(self.config.workers):
-                    say(f"starting worker-{i} (loading the model)")
+                for i, role in enumerate(self.config.worker_roles):
+                    say(f"starting worker-{i}, {role} (loading the model)")
                     self.start_worker(i)
             say(f"starting gateway on {self.url}")
             self.start_gateway()

@@ -43,6 +43,11 @@ def build_parser() -> ConfigParser:
         default=p.env("count", 1, int),
         help=f"workers in this process, ids <worker-id>-0..N-1 (--device {SIM_DEVICE} only)",
     )
+    p.add_argument(
+        "--roles",
+        default=p.env("roles", ""),
+        help="with --count: each worker's role, comma-separated, in order (default: --role)",
+    )
     p.add_config(WorkerServiceConfig)
     p.add_config(WorkerHttpConfig)
     p.add_config(RunnerConfig, build=False)
@@ -59,6 +64,9 @@ async def serve(argv: list[str] | None = None) -> None:
     simulated = args.device == SIM_DEVICE
     if args.count < 1 or (args.count > 1 and not simulated):
         parser.error(f"--count must be 1, or more with --device {SIM_DEVICE}")
+    roles = args.roles.split(",") if args.roles else [config.role] * args.count
+    if len(roles) != args.count:
+        parser.error(f"--roles names {len(roles)} roles for --count {args.count} workers")
     telemetry: TelemetryConfig = configs[TelemetryConfig]
     setup_logging(config.log_level, "worker", telemetry.log_format)
     tracing.setup_tracing(telemetry.otlp_traces_endpoint, "worker")
@@ -84,12 +92,12 @@ async def serve(argv: list[str] | None = None) -> None:
         metrics.load_seconds.set(time.perf_counter() - started)
         services = [
             WorkerService(
-                dataclasses.replace(config, worker_id=worker_id),
+                dataclasses.replace(config, worker_id=worker_id, role=role),
                 runner,
                 metrics=metrics,
                 watch=StepWatch(http.execute_model_timeout, http.execute_model_timeout_factor),
             )
-            for worker_id, runner in zip(ids, runners, strict=True)
+            for worker_id, role, runner in zip(ids, roles, runners, strict=True)
         ]
         try:
             await run(config, services, share_connection=simulated)
