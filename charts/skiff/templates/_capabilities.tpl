@@ -60,8 +60,10 @@ list of [CRD kind, apiVersion/Kind, the value that enables it]. */}}
 {{- if and $v.metrics.prometheusRule.enabled (not ($has.Has "monitoring.coreos.com/v1/PrometheusRule")) }}
 {{- $missing = append $missing (list "PrometheusRule (prometheus-operator)" "monitoring.coreos.com/v1/PrometheusRule" "metrics.prometheusRule.enabled") }}
 {{- end }}
-{{- if and $v.worker.autoscaling.enabled (not ($has.Has "keda.sh/v1alpha1/ScaledObject")) }}
-{{- $missing = append $missing (list "ScaledObject (KEDA)" "keda.sh/v1alpha1/ScaledObject" "worker.autoscaling.enabled") }}
+{{- range include "skiff.workerSets" . | fromJsonArray }}
+{{- if and .autoscaling.enabled (not ($has.Has "keda.sh/v1alpha1/ScaledObject")) }}
+{{- $missing = append $missing (list "ScaledObject (KEDA)" "keda.sh/v1alpha1/ScaledObject" (printf "%s.autoscaling.enabled" .values)) }}
+{{- end }}
 {{- end }}
 {{- if and $v.gateway.httpRoute.enabled (not (include "skiff.httpRouteApiVersion" .)) }}
 {{- $missing = append $missing (list "HTTPRoute (Gateway API)" "gateway.networking.k8s.io/v1/HTTPRoute" "gateway.httpRoute.enabled") }}

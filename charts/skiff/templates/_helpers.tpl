@@ -124,13 +124,45 @@ per worker pod, named by the pod; their permissions come from shared/nats_auth.p
 {{- .Values.nats.auth.existingSecret | default (printf "%s-nats-auth" (include "skiff.fullname" .)) }}
 {{- end }}
 
-{{/* The worker pods' NATS users, space-separated: <fullname>-worker-<ordinal>, for every pod
-that worker.replicas (or worker.autoscaling.maxReplicas) may run. */}}
+{{/* The worker sets, as a JSON list: the default set (component "worker", role mixed) and each
+enabled role set, worker.prefill and worker.decode (component "worker-prefill" or
+"worker-decode": a StatefulSet, Service, PDB and ScaledObject of its own). Each set carries
+what may differ between sets, an empty override of a role set taking worker's: component,
+role, values (its values path), replicas, autoscaling, kvCacheGiB, resources (worker.sim's for
+simulated workers), nodeSelector, tolerations, affinity. */}}
+{{- define "skiff.workerSets" -}}
+{{- $w := .Values.worker }}
+{{- $sim := eq $w.device "sim" }}
+{{- $sets := list (dict "component" "worker" "role" "mixed" "values" "worker" "replicas" $w.replicas "autoscaling" $w.autoscaling "kvCacheGiB" $w.kvCacheGiB "resources" (ternary $w.sim.resources $w.resources $sim) "nodeSelector" $w.nodeSelector "tolerations" $w.tolerations "affinity" $w.affinity) }}
+{{- range list (list "prefill" .Values.worker.prefill) (list "decode" .Values.worker.decode) }}
+{{- $role := index . 0 }}
+{{- $set := index . 1 }}
+{{- if $set.enabled }}
+{{- /* one Prometheus and polling for every ScaledObject of the release */}}
+{{- $autoscaling := merge (deepCopy $set.autoscaling) (pick $w.autoscaling "serverAddress" "pollingInterval" "cooldownPeriod") }}
+{{- $sets = append $sets (dict "component" (printf "worker-%s" $role) "role" $role "values" (printf "worker.%s" $role) "replicas" $set.replicas "autoscaling" $autoscaling "kvCacheGiB" ($set.kvCacheGiB | default $w.kvCacheGiB) "resources" ($set.resources | default (ternary $w.sim.resources $w.resources $sim)) "nodeSelector" ($set.nodeSelector | default $w.nodeSelector) "tolerations" ($set.tolerations | default $w.tolerations) "affinity" ($set.affinity | default $w.affinity)) }}
+{{- end }}
+{{- end }}
+{{- toJson $sets }}
+{{- end }}
+
+{{/* The NATS users of one worker set's pods, space-separated: <fullname>-<component>-<ordinal>
+for every pod that its replicas (or autoscaling.maxReplicas) may run: (dict "ctx" $ "set" $set)
+with $set one of skiff.workerSets. */}}
+{{- define "skiff.natsSetUsers" -}}
+{{- $users := list }}
+{{- $a := .set.autoscaling }}
+{{- range $i := until (int (ternary $a.maxReplicas .set.replicas $a.enabled)) }}
+{{- $users = append $users (printf "%s-%s-%d" (include "skiff.fullname" $.ctx) $.set.component $i) }}
+{{- end }}
+{{- join " " $users }}
+{{- end }}
+
+{{/* The NATS users of every worker pod of every set, space-separated. */}}
 {{- define "skiff.natsWorkerUsers" -}}
 {{- $users := list }}
-{{- $w := .Values.worker }}
-{{- range $i := until (int (ternary $w.autoscaling.maxReplicas $w.replicas $w.autoscaling.enabled)) }}
-{{- $users = append $users (printf "%s-worker-%d" (include "skiff.fullname" $) $i) }}
+{{- range $set := include "skiff.workerSets" . | fromJsonArray }}
+{{- $users = concat $users (compact (splitList " " (include "skiff.natsSetUsers" (dict "ctx" $ "set" $set)))) }}
 {{- end }}
 {{- join " " $users }}
 {{- end }}
@@ -162,10 +194,13 @@ that worker.replicas (or worker.autoscaling.maxReplicas) may run. */}}
 {{- end }}
 {{- end }}
 
-{{/* The password files of `users` only: (dict "ctx" $ "users" (list "gateway")). */}}
+{{/* The password files of `users` only: (dict "ctx" $ "users" (list "gateway")). No users (a
+worker set of 0 replicas): an empty volume, since a secret volume without items would hold
+every password. */}}
 {{- define "skiff.natsClientVolumes" -}}
 {{- if .ctx.Values.nats.auth.enabled }}
 - name: nats-auth
+  {{- if .users }}
   secret:
     secretName: {{ include "skiff.natsAuthSecret" .ctx }}
     defaultMode: 0440
@@ -173,6 +208,9 @@ that worker.replicas (or worker.autoscaling.maxReplicas) may run. */}}
       {{- range .users }}
       - {key: {{ . }}, path: {{ . }}}
       {{- end }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
 {{- end }}
 {{- if .ctx.Values.nats.tls.enabled }}
 - name: nats-tls
