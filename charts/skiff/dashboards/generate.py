@@ -1,5 +1,6 @@
 """The chart's Grafana dashboards, as code (grafana-foundation-sdk): `skiff.json` (overview:
-requests, latency, KV cache, lower KV tiers and shard routing, scheduling) and
+requests, latency, KV cache, lower KV tiers and shard routing, prefill/decode disaggregation,
+scheduling) and
 `skiff-workers.json` (per worker: step phases, tokens and batch, KV blocks, memory, busy
 fraction, NATS round trip, KV tier capacity, usage and traffic).
 
@@ -366,6 +367,49 @@ def overview() -> Board:
                         width=12,
                         description="Gateways: prompt tokens per second of the requests routed "
                         "to each shard that its prefix summary held.",
+                    ),
+                ],
+            ),
+            Row(
+                "Prefill/decode disaggregation",
+                [
+                    Panel(
+                        "Hand-overs by outcome",
+                        "ops",
+                        [(rate("skiff_pd_handoffs_total", by="outcome"), "{{outcome}}")],
+                        width=6,
+                        description="Scheduler: long prompts prefilled on a prefill worker, by "
+                        "what became of their KV: transferred to a decode worker, recomputed "
+                        "there (the transfer failed), or local (no decode worker: decoded "
+                        "where it was prefilled).",
+                    ),
+                    Panel(
+                        "KV transferred",
+                        "Bps",
+                        [(rate("skiff_pd_transfer_bytes_total"), "bytes")],
+                        width=6,
+                        description="KV bytes per second moved from prefill to decode workers "
+                        "over the KV-transfer port.",
+                    ),
+                    Panel(
+                        "Hand-over latency",
+                        "s",
+                        quantiles("skiff_pd_transfer_seconds", qs=(0.5, 0.99)),
+                        width=6,
+                        description="Hand-over until the KV is in place on the decode worker.",
+                    ),
+                    Panel(
+                        "Requests by role",
+                        "short",
+                        [
+                            (
+                                "sum by (role, state) (skiff_role_requests)",
+                                "{{role}} {{state}}",
+                            )
+                        ],
+                        width=6,
+                        description="Running and waiting requests on the mixed, prefill and "
+                        "decode workers; prefill waiting drives the prefill workers' autoscaler.",
                     ),
                 ],
             ),
