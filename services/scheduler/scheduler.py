@@ -410,17 +410,7 @@ class Scheduler:
                 break
             self._dequeue(self.waiting.pop())
             request.num_computed_tokens = num_hit_tokens
-            if request.handoff is not None:  # its lookup was counted on its prefill worker
-                num_blocks = request.num_loaded_tokens // self.kv.block_size
-                request.handoff.land(num_blocks * self.kv_block_bytes)
-                request.handoff = None  # from now on it is a request of this worker
-            elif request.sampling_params.prompt_logprobs is None:  # those never look up
-                # its loaded blocks count as lower-tier hits (tier_hits), not device ones
-                device_hits = max(num_hit_tokens - request.num_loaded_tokens, 0)
-                self.kv.record_lookup(request.num_tokens, device_hits)
-            request.num_prefix_loads = request.num_loaded_tokens = 0
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+            self._admitted(request, num_hit_tokens)
             if request.status == RequestStatus.PREEMPTED:
                 cached_reqs.append(
                     CachedRequestData(
@@ -447,6 +437,21 @@ class Scheduler:
             self._advance(request, num_new)
             budget -= num_new
         return budget
+
+    def _admitted(self, request: Request, num_hit_tokens: int) -> None:
+        """Count the prefix lookup of a request admitted with `num_hit_tokens` cached, or land
+        its hand-over; its loads since the last admission are done with."""
+        if request.handoff is not None:  # its lookup was counted on its prefill worker
+            num_blocks = request.num_loaded_tokens // self.kv.block_size
+            request.handoff.land(num_blocks * self.kv_block_bytes)
+            request.handoff = None  # from now on it is a request of this worker
+        elif request.sampling_params.prompt_logprobs is None:  # those never look up
+            # its loaded blocks count as lower-tier hits (tier_hits), not device ones
+            device_hits = max(num_hit_tokens - request.num_loaded_tokens, 0)
+            self.kv.record_lookup(request.num_tokens, device_hits)
+        request.num_prefix_loads = request.num_loaded_tokens = 0
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
 
     def _load_prefix(
         self, request: Request, hits: list[KVBlock], kv_loads: list[KVLoad]

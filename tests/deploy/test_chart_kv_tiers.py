@@ -214,6 +214,7 @@ WORKER_NOT_IN_CHART = {
     "SKIFF_HEARTBEAT_INTERVAL": "a protocol timing, kept at the services' default",
     "SKIFF_NATS_TLS_CERT": "the chart's NATS TLS verifies the server; clients use passwords",
     "SKIFF_NATS_TLS_KEY": "the chart's NATS TLS verifies the server; clients use passwords",
+    "SKIFF_ROLES": "a pod's simulated workers share its set's role (SKIFF_ROLE)",
 }
 
 

@@ -82,6 +82,8 @@ def test_greedy_answers_equal_the_engine(pd_stack, offline_llm):
     )
     assert handoffs == len(long)  # the short ones never left the decode worker
     assert after["skiff_pd_transfer_bytes_total"] > before.get("skiff_pd_transfer_bytes_total", 0)
+    # the dashboard's hand-over latency panel reads this histogram (not the shared stack's)
+    assert after["skiff_pd_transfer_seconds_count"] >= len(long)
     assert after['skiff_pd_handoffs_total{outcome="recomputed"}'] == 0
 
 

@@ -155,9 +155,20 @@ def test_every_target_is_scraped_including_the_real_worker(prometheus, traffic):
     assert min(counts.values()) > 0 and len(set(counts.values())) == 1  # every step, each phase
 
 
+# Series the shared stack (one mixed worker) cannot produce, and the test that checks them.
+NEEDS_ANOTHER_STACK = {
+    "skiff_pd_transfer_seconds_bucket": "hand-overs need a prefill worker: "
+    "tests/e2e/test_disaggregation.py reads this histogram",
+}
+
+
 @pytest.mark.parametrize(("board", "expr"), dashboard_expressions())
 def test_dashboard_panel_returns_data(prometheus, traffic, board, expr):
-    assert has_data(prometheus.query(grafana(expr))), f"{board}: no data for {expr}"
+    result = prometheus.query(grafana(expr))
+    if any(series in expr for series in NEEDS_ANOTHER_STACK):
+        assert result == [] or not has_data(result), f"{board}: now has data, drop the exception"
+        return
+    assert has_data(result), f"{board}: no data for {expr}"
 
 
 @pytest.mark.parametrize(("alert", "expr"), alert_values())

@@ -94,12 +94,13 @@ def test_simulated_tiers_have_the_configured_sizes(model_dir):
 
 
 def test_a_simulated_worker_announces_its_tiers_and_serves_nothing(model_dir):
-    service = WorkerService(WorkerServiceConfig(worker_id="w-sim"), sim(model_dir))
+    service = WorkerService(WorkerServiceConfig(worker_id="w-sim", role="decode"), sim(model_dir))
     service.start_kv_transfer()
     hello = service.hello()
     assert (hello.num_host_blocks, hello.num_disk_blocks) == (8, 4)
-    assert hello.kv_block_bytes == BLOCK_BYTES and hello.kv_transfer_address == ""
-    assert service.kv_transfer is None
+    # no server: other simulated workers "fetch" from it at the modelled bandwidth
+    assert hello.kv_block_bytes == BLOCK_BYTES and hello.kv_transfer_address == "sim"
+    assert hello.role == "decode" and service.kv_transfer is None
 
 
 def test_simulated_copies_are_checked_and_counted(model_dir):
