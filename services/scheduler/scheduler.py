@@ -493,7 +493,8 @@ class Scheduler:
     ) -> bool | None:
         """`_load_prefix` of a request handed over by a prefill worker: its prompt blocks
         (`hashes`, after its device hits `hits`) fetched in chunks of what the load window
-        moves in one plan, so that no decode step waits long for them. It waits until all
+        moves in one plan, so that no decode step waits long for them (all at once when
+        nothing runs here). It waits until all
         its blocks fit, unless nothing runs here (then what fits is fetched and the rest
         computed); a chunk whose predecessor's blocks were evicted before it counts against
         MAX_PREFIX_LOADS."""
@@ -513,6 +514,8 @@ class Scheduler:
         if kv_loads and window < self.kv_block_bytes:
             return False
         chunk = max(int(window // max(self.kv_block_bytes, 1)), 1)
+        if not self.running:
+            chunk = len(hashes)  # no step waits for it: all at once
         sources = find_sources(self.kv.tiers, self.remote, hashes[: min(chunk, max(room, 0))])
         if not sources:
             return None

@@ -137,10 +137,12 @@ def test_a_hand_over_fetches_the_prompt_from_the_prefill_worker() -> None:
     assert decode.core.make_stats().kv_tier_hits == {}  # a hand-over is not a prefix hit
 
 
-def test_a_large_prompt_is_fetched_in_chunks_of_the_load_window() -> None:
+def test_beside_running_decodes_a_prompt_is_fetched_in_chunks_of_the_load_window() -> None:
     fleet = Fleet(ROLE_PREFILL, ROLE_DECODE, num_blocks=16)
     prefill, decode = fleet.workers
     prompt = tokens(100, 150)  # nine full blocks
+    decode.core.add_request(req("decoding", SHORT, max_tokens=40))  # steps that must not wait
+    fleet.step(decode)
     fleet.placement.place(req("long", prompt, max_tokens=2))
     fleet.step(prefill)
     decode.core.kv_load_bps = 2 * BLOCK_BYTES / 0.02  # two blocks in the minimum window
