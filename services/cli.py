@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 # The gateway's and the workers' settings that `skiff serve` takes; the stack sets the others
 # that tie the processes together, and the rest keep their defaults (or SKIFF_* variables).
-SERVE_GATEWAY_FIELDS = ("host", "port", "api_key", "served_model_name")
+SERVE_GATEWAY_FIELDS = ("host", "port", "api_key", "api_keys_file", "served_model_name")
 SERVE_RUNNER_FIELDS = (
     "kv_cache_gib",
     "cpu_weights",
@@ -147,7 +147,7 @@ def _print_log_tails(log_dir: str, lines: int = 15) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("serve", "gateway", "scheduler", "worker")
+    commands = ("serve", "gateway", "scheduler", "worker", "hash-key")
     if not argv or argv[0] not in commands:
         print(
             f"usage: skiff {{{','.join(commands)}}} [options]  (skiff COMMAND --help)",
@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     if command == "serve":
         sys.exit(serve(rest))
+    if command == "hash-key":
+        from services.gateway.key_file import hash_key_main
+
+        sys.exit(hash_key_main(rest))
     if command == "gateway":
         from services.gateway.main import main as run
     elif command == "scheduler":

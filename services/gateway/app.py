@@ -4,14 +4,15 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
 POST /detokenize, GET /health (503 until the engine is ready or while draining), GET /version,
-GET /metrics. With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`.
+GET /metrics, GET /admin/tenants. With `api_key` or `api_keys_file`, /v1/* and /admin/* need
+`Authorization: Bearer <key>` of a tenant (see `key_file` and `tenants`); /admin/* an admin's.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
@@ -20,13 +21,15 @@ from services.gateway.config import GatewayConfig
 from services.gateway.context import GatewayContext
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import error_response, install_error_handlers
+from services.gateway.key_file import ANONYMOUS, Tenant, tenants_of
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import (
-    ApiKeyMiddleware,
     BodyLimitMiddleware,
     RequestContextMiddleware,
+    TenantMiddleware,
 )
-from services.gateway.serving import Payload
+from services.gateway.serving import Payload, ticket_of
+from services.gateway.tenants import Tenants
 from services.gateway.tracing import TracingMiddleware
 from shared import tracing
 from shared.tokenizer import Tokenizer
@@ -39,14 +42,23 @@ def _version() -> str:
         return "0.1.0"
 
 
-def create_app(engine_client: EngineClient, tokenizer: Tokenizer, config: GatewayConfig) -> FastAPI:
+def create_app(
+    engine_client: EngineClient,
+    tokenizer: Tokenizer,
+    config: GatewayConfig,
+    tenants: list[Tenant] | None = None,
+) -> FastAPI:
     """Build the app of a gateway configured by `config`. `config.max_model_len=None` takes
     the context length from the scheduler's heartbeat; `keepalive_interval` > 0 sends an SSE
-    comment on streams that wait that long for tokens. The shared state is
-    `app.state.gateway` (a `GatewayContext`); set its `draining` to make /health fail and new
-    requests get 503 during shutdown."""
+    comment on streams that wait that long for tokens; `tenants` are those of its API keys
+    (default: read from `config`; `KeyFileError` when the file is unusable). The shared state
+    is `app.state.gateway` (a `GatewayContext`); set its `draining` to make /health fail and
+    new requests get 503 during shutdown. `app.state.tenants` admits each tenant's requests."""
     served_model_name = config.resolved_model_name
-    metrics = GatewayMetrics(served_model_name, engine_client)
+    if tenants is None:
+        tenants = tenants_of(config.api_key, config.api_keys_file)
+    names = [t.name for t in tenants] or [ANONYMOUS]
+    metrics = GatewayMetrics(served_model_name, engine_client, names)
     ctx = GatewayContext(
         engine_client,
         tokenizer,
@@ -64,28 +76,30 @@ def create_app(engine_client: EngineClient, tokenizer: Tokenizer, config: Gatewa
         summary="OpenAI-compatible API of skiff (vLLM-compatible)",
     )
     app.state.gateway = ctx
+    app.state.tenants = Tenants(tenants, metrics)
     install_error_handlers(app)
     for module in (completions, chat, tokenization):
         app.include_router(module.router(ctx))
-    app.include_router(_service_router(ctx))
+    app.include_router(_service_router(ctx, app.state.tenants))
     app.add_middleware(
         BodyLimitMiddleware,
         max_body_bytes=config.max_body_bytes,
         body_timeout=config.body_timeout,
     )
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(TenantMiddleware, tenants=app.state.tenants)  # before reading bodies
     if tracing.tracer is not None:
         app.add_middleware(TracingMiddleware)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)  # outermost
     return app
 
 
-def _service_router(ctx: GatewayContext) -> APIRouter:
+def _service_router(ctx: GatewayContext, tenants: Tenants) -> APIRouter:
     api = APIRouter()
 
     @api.get("/v1/models")
-    async def list_models() -> Payload:
+    async def list_models(request: Request) -> Payload:
+        ticket = ticket_of(request)
+        allowed = ticket is None or ticket.allows(ctx.served_model_name)
         return {
             "object": "list",
             "data": [
@@ -98,8 +112,15 @@ def _service_router(ctx: GatewayContext) -> APIRouter:
                     "parent": None,
                     "max_model_len": ctx.configured_max_model_len or ctx.engine.max_model_len,
                 }
-            ],
+            ]
+            if allowed
+            else [],
         }
+
+    @api.get("/admin/tenants")
+    async def list_tenants() -> Payload:
+        """Each tenant's limits and what it uses now (admins only)."""
+        return {"object": "list", "data": tenants.usage()}
 
     @api.get("/health")
     async def health() -> Response:

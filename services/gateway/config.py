@@ -38,7 +38,14 @@ class GatewayConfig(NatsClientConfig):
         None, "model directory with tokenizer.json (default: the embedded model)"
     )
     served_model_name: str | None = setting(None, "model name in the API (default: the dir's)")
-    api_key: str | None = setting(None, "require this bearer token (default: no auth)")
+    api_key: str | None = setting(
+        None, "require this bearer token: an unlimited admin tenant (default: no auth)"
+    )
+    api_keys_file: str | None = setting(
+        None,
+        "JSON file of tenants: name, key_sha256 (skiff hash-key), optional "
+        "requests_per_minute, tokens_per_minute, max_concurrency, models, admin",
+    )
     gateway_id: str | None = setting(None, "NATS identity of this gateway (default: random)")
     max_model_len: int | None = setting(None, "context length (default: the scheduler's)")
     max_body_bytes: int = setting(DEFAULT_MAX_BODY_BYTES, "largest request body accepted")

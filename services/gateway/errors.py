@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     408: "RequestTimeoutError",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from services.gateway.choice import ChoiceSpec, ChoiceState, ChoiceUpdate
 from services.gateway.engine_client import EngineClient, EngineError, RequestStream
@@ -45,10 +45,13 @@ class Generation:
         specs: list[ChoiceSpec],
         arrival: float | None = None,
         priority: int = 0,
+        on_tokens: Callable[[int], None] | None = None,
     ) -> None:
-        """`priority`: every choice's scheduling priority (lower first, as in vLLM)."""
+        """`priority`: every choice's scheduling priority (lower first, as in vLLM);
+        `on_tokens`: called with the number of tokens of each update (the tenant's count)."""
         self.engine = engine
         self.priority = priority
+        self.on_tokens = on_tokens
         self.metrics = metrics
         self.choices = [ChoiceState(spec, tokenizer) for spec in specs]
         arrival = time.monotonic() if arrival is None else arrival
@@ -134,6 +137,8 @@ class Generation:
                 else:
                     update = self._spans.process(choice, delta)
                 timer.tokens(len(update.token_ids))
+                if self.on_tokens is not None:
+                    self.on_tokens(len(update.token_ids))
                 queue.put_nowait(update)
                 if choice.finished:
                     break

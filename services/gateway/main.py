@@ -29,6 +29,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.context import GatewayContext
 from services.gateway.engine_client import EngineError, NatsEngineClient
 from services.gateway.header_timeout import with_header_timeout
+from services.gateway.key_file import KeyFileError, tenants_of
 from shared import tracing
 from shared.cli_args import ConfigParser
 from shared.config import TelemetryConfig
@@ -121,12 +122,16 @@ async def _wait_for_tokenizer(model_dir: Path, timeout: float) -> None:
 
 async def serve(config: GatewayConfig) -> None:
     """Connect to NATS (in the background) and serve HTTP until a signal drains the server."""
+    try:  # before waiting for anything: a bad key file is the operator's to fix now
+        tenants = tenants_of(config.api_key, config.api_keys_file)
+    except KeyFileError as e:
+        raise SystemExit(f"skiff gateway: {e}") from None
     model_dir = config.resolved_model_dir
     await _wait_for_tokenizer(model_dir, config.model_wait_timeout)
     tokenizer = Tokenizer(model_dir)
     engine = NatsEngineClient(config)
     await engine.start()
-    app = create_app(engine, tokenizer, config)
+    app = create_app(engine, tokenizer, config, tenants)
     server = _DrainingServer(
         uvicorn.Config(
             app,

@@ -9,13 +9,14 @@ to the scheduler. Each choice of an n>1 request counts as one request, as in vLL
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.gateway.engine_client import EngineClient
+from services.gateway.key_file import ANONYMOUS
 from services.gateway.shards import ROUTINGS, Shards
 
 _LATENCY_BUCKETS = (
@@ -45,12 +46,28 @@ _LATENCY_BUCKETS = (
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
+# Outcomes of a tenant's requests: answered (ok: status < 400, else error) or refused by one of
+# its limits or rights (the key file's names).
+TENANT_OUTCOMES = (
+    "ok",
+    "error",
+    "requests_per_minute",
+    "tokens_per_minute",
+    "max_concurrency",
+    "model_not_allowed",
+    "not_admin",
+)
+
+
 class GatewayMetrics:
-    def __init__(self, model_name: str, engine: EngineClient) -> None:
+    def __init__(
+        self, model_name: str, engine: EngineClient, tenants: Sequence[str] = (ANONYMOUS,)
+    ) -> None:
         self.registry = CollectorRegistry()
         self._model = model_name
         self._add_request_metrics()
         self._add_gateway_metrics()
+        self._add_tenant_metrics(tenants)
         self._add_engine_gauges(engine)
 
     def _add_request_metrics(self) -> None:
@@ -113,6 +130,35 @@ class GatewayMetrics:
         self.stop_string_aborts = Counter(
             "skiff_gateway_stop_string_aborts", "Requests finished by a stop string.", registry=reg
         )
+
+    def _add_tenant_metrics(self, tenants: Sequence[str]) -> None:
+        """Usage per tenant (API key), labelled by the tenant's name from the key file (a
+        bounded set, never the key); every series exists from the start, at zero."""
+        reg = self.registry
+        self.tenant_requests = Counter(
+            "skiff_gateway_tenant_requests",
+            "Requests of each tenant by outcome: ok, error, or the limit or right that refused it.",
+            ["tenant", "outcome"],
+            registry=reg,
+        )
+        self.tenant_tokens = Counter(
+            "skiff_gateway_tenant_tokens",
+            "Tokens of each tenant's requests: prompt (once per prompt) and generation.",
+            ["tenant", "kind"],
+            registry=reg,
+        )
+        self.tenant_in_flight = Gauge(
+            "skiff_gateway_tenant_requests_in_flight",
+            "Requests of each tenant being served (streams until their end).",
+            ["tenant"],
+            registry=reg,
+        )
+        for tenant in tenants:
+            for outcome in TENANT_OUTCOMES:
+                self.tenant_requests.labels(tenant, outcome)
+            for kind in ("prompt", "generation"):
+                self.tenant_tokens.labels(tenant, kind)
+            self.tenant_in_flight.labels(tenant)
 
     def _add_engine_gauges(self, engine: EngineClient) -> None:
         """The engine client's readiness, NATS connection and request counters, read at

@@ -2,7 +2,9 @@
 
 * `RequestContextMiddleware`: X-Request-Id (honoured or generated, echoed), the request id in
   log records, an access log line and the HTTP request counter.
-* `ApiKeyMiddleware`: `Authorization: Bearer <key>` on /v1/*, compared in constant time.
+* `TenantMiddleware`: on /v1/* and /admin/*, the tenant of the `Authorization: Bearer <key>`
+  (401 without one), admitted by its limits (429) and rights (403) for the whole life of the
+  response; the request's `Ticket` is `request.state.tenant`.
 * `BodyLimitMiddleware`: reads the body up front; answers 413 past the size limit and 408 (and
   closes the connection) when the body is not complete within `body_timeout` seconds, so that a
   client trickling its body cannot hold a request open.
@@ -11,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import re
 import time
@@ -22,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.errors import error_response
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.tenants import Rejection, Tenants
 from shared.logs import request_id_var
 
 logger = logging.getLogger("services.gateway.access")
@@ -69,21 +71,45 @@ class RequestContextMiddleware:
             request_id_var.reset(token)
 
 
-class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+ADMIN_PREFIX = "/admin/"
+
+
+class TenantMiddleware:
+    def __init__(self, app: ASGIApp, tenants: Tenants) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = Headers(scope=scope).get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(
-                    401, "Invalid or missing API key", headers={"WWW-Authenticate": "Bearer"}
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        path = scope["path"] if scope["type"] == "http" else ""
+        admin_route = path.startswith(ADMIN_PREFIX)
+        if not (path.startswith("/v1") or admin_route):
+            await self.app(scope, receive, send)
+            return
+        state = self.tenants.authenticate(Headers(scope=scope).get("authorization", ""))
+        if state is None:
+            unknown = error_response(
+                401, "Invalid or missing API key", headers={"WWW-Authenticate": "Bearer"}
+            )
+            await unknown(scope, receive, send)
+            return
+        try:
+            ticket = self.tenants.admit(state, admin_route)
+        except Rejection as r:
+            await error_response(r.status, r.message, headers=r.headers())(scope, receive, send)
+            return
+        scope.setdefault("state", {})["tenant"] = ticket
+        status = 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            self.tenants.release(ticket, status)
 
 
 class BodyLimitMiddleware:

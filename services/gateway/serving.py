@@ -32,6 +32,7 @@ from services.gateway.sampling import (
 from services.gateway.schemas import MAX_N, SamplingFields
 from services.gateway.sse import DONE, KEEPALIVE, EventStreamResponse, run_until_disconnect, sse
 from services.gateway.structured import Structure
+from services.gateway.tenants import Ticket
 from shared.logs import request_id_var
 from shared.sampling_params import resolve_max_tokens
 
@@ -42,6 +43,12 @@ Payload = dict[str, Any]
 
 def request_id(request: Request) -> str:
     return getattr(request.state, "request_id", None) or uuid.uuid4().hex
+
+
+def ticket_of(request: Request) -> Ticket | None:
+    """The tenant's ticket of a request on an authenticated route (see `TenantMiddleware`)."""
+    ticket: Ticket | None = getattr(request.state, "tenant", None)
+    return ticket
 
 
 def engine_base_id() -> str:
@@ -275,6 +282,9 @@ class Endpoint(ABC, Generic[BodyT]):
         ctx, body = self.ctx, self.body
         ctx.check_accepting()
         ctx.check_model(body.model)
+        ticket = ticket_of(self.request)
+        if ticket is not None:
+            ticket.check_model(ctx.served_model_name)
         self.check()
         max_model_len = ctx.max_model_len()
         check_sizes(body, ctx.encoder)
@@ -283,8 +293,13 @@ class Endpoint(ABC, Generic[BodyT]):
             await ctx.structures.check(structure)
         prompts = await self.prompts()
         specs = choice_specs(ctx, body, prompts, self.sampling(), structure, max_model_len)
-        gen = Generation(ctx.engine, ctx.tokenizer, ctx.metrics, specs, self.arrival, body.priority)
+        on_tokens = ticket.generation_tokens if ticket is not None else None
+        gen = Generation(
+            ctx.engine, ctx.tokenizer, ctx.metrics, specs, self.arrival, body.priority, on_tokens
+        )
         await gen.start()
+        if ticket is not None:  # once per prompt, as usage counts them
+            ticket.prompt_tokens(sum(len(p.token_ids) for p in prompts))
         fmt = self.formatter(prompts, gen)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
