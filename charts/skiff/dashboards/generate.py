@@ -1,6 +1,6 @@
 """The chart's Grafana dashboards, as code (grafana-foundation-sdk): `skiff.json` (overview:
-requests, latency, KV cache, lower KV tiers and shard routing, prefill/decode disaggregation,
-scheduling) and
+requests, tenants, latency, KV cache, lower KV tiers and shard routing, prefill/decode
+disaggregation, scheduling) and
 `skiff-workers.json` (per worker: step phases, tokens and batch, KV blocks, memory, busy
 fraction, NATS round trip, KV tier capacity, usage and traffic).
 
@@ -238,6 +238,69 @@ def overview() -> Board:
                         "Gateway HTTP responses by status",
                         "reqps",
                         [(rate("skiff_gateway_http_requests_total", by="status"), "{{status}}")],
+                    ),
+                ],
+            ),
+            Row(
+                "Tenants (API keys)",
+                [
+                    Panel(
+                        "Requests by tenant and outcome",
+                        "reqps",
+                        [
+                            (
+                                rate("skiff_gateway_tenant_requests_total", by="tenant, outcome"),
+                                "{{tenant}} {{outcome}}",
+                            )
+                        ],
+                        width=6,
+                        description="Gateway: requests of each tenant (the key file's names; "
+                        "anonymous without keys), answered (ok, error) or refused by a limit "
+                        "(requests_per_minute, tokens_per_minute, max_concurrency: 429) or a "
+                        "right (model_not_allowed, not_admin: 403). Unknown keys (401) are in "
+                        "the HTTP responses by status.",
+                    ),
+                    Panel(
+                        "Refused requests by tenant",
+                        "reqps",
+                        [
+                            (
+                                rate(
+                                    "skiff_gateway_tenant_requests_total",
+                                    'outcome!~"ok|error"',
+                                    "tenant, outcome",
+                                ),
+                                "{{tenant}} {{outcome}}",
+                            )
+                        ],
+                        width=6,
+                    ),
+                    Panel(
+                        "Tokens per second by tenant",
+                        "short",
+                        [
+                            (
+                                rate("skiff_gateway_tenant_tokens_total", by="tenant, kind"),
+                                "{{tenant}} {{kind}}",
+                            )
+                        ],
+                        width=6,
+                        description="Prompt tokens (once per prompt, when the engine accepts "
+                        "the request) and generated tokens (as they come): what "
+                        "tokens_per_minute counts.",
+                    ),
+                    Panel(
+                        "Requests in flight by tenant",
+                        "short",
+                        [
+                            (
+                                "sum by (tenant) (skiff_gateway_tenant_requests_in_flight)",
+                                "{{tenant}}",
+                            )
+                        ],
+                        width=6,
+                        description="What max_concurrency limits: a stream counts until its "
+                        "last event or until its client leaves.",
                     ),
                 ],
             ),
