@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-unit lint cluster-prereqs bench bench-scale bench-gpu bench-structured bench-kv clean
+.PHONY: install serve test test-unit lint cluster-prereqs bench bench-scale bench-gpu bench-structured bench-kv bench-pd clean
 
 $(STAMP): pyproject.toml tests/deploy/install_helm.py tests/observability/install_prometheus.py \
 		tests/cluster/localkube/install_packages.sh
@@ -63,6 +63,11 @@ bench-structured: $(STAMP)
 bench-kv: $(STAMP)
 	$(BIN)/python -m bench.kv_tiers
 	$(BIN)/python -m bench.kv_routing
+
+# Prefill/decode disaggregation: steady decodes while long prompts arrive, colocated vs
+# disaggregated workers, CPU and simulated (bench/results/pd.json)
+bench-pd: $(STAMP)
+	$(BIN)/python -m bench.pd
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
