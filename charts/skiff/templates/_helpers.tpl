@@ -232,6 +232,24 @@ when the chart creates it. Empty: no API key. */}}
 {{- end }}
 {{- end }}
 
+{{/* The Secret holding the gateway's API key file: gateway.apiKeys.existingSecret, or
+<fullname>-api-keys rendered from gateway.apiKeys.tenants. Empty: no key file. */}}
+{{- define "skiff.apiKeysSecretName" -}}
+{{- $keys := .Values.gateway.apiKeys }}
+{{- if and $keys.existingSecret $keys.tenants }}
+{{- fail "gateway.apiKeys: set existingSecret or tenants, not both" }}
+{{- else if $keys.existingSecret }}
+{{- $keys.existingSecret }}
+{{- else if $keys.tenants }}
+{{- printf "%s-api-keys" (include "skiff.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* The API key file of gateway.apiKeys.tenants (JSON). */}}
+{{- define "skiff.apiKeyFile" -}}
+{{- dict "tenants" .Values.gateway.apiKeys.tenants | toJson }}
+{{- end }}
+
 {{/* A Kubernetes quantity (16Gi, 500M, 17179869184) in GiB; empty when it is not a plain
 number with a binary or decimal suffix. */}}
 {{- define "skiff.quantityGiB" -}}
