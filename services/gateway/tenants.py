@@ -61,14 +61,14 @@ class TokenBucket:
 class Rejection(Exception):
     """A request the tenant's limits or rights refuse: an HTTP error, with Retry-After."""
 
-    def __init__(self, status: int, outcome: str, message: str, retry_after: int | None = None):
+    def __init__(
+        self, status: int, outcome: str, message: str, retry_after: int | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.outcome, self.message, self.retry_after = (
-            status,
-            outcome,
-            message,
-            retry_after,
-        )
+        self.status = status
+        self.outcome = outcome  # the metrics' label
+        self.message = message
+        self.retry_after = retry_after  # seconds
 
     def headers(self) -> dict[str, str]:
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
@@ -138,10 +138,6 @@ class Tenants:
     def required(self) -> bool:
         """Whether requests need a key."""
         return bool(self.tenants)
-
-    @property
-    def names(self) -> list[str]:
-        return [s.tenant.name for s in self.states]
 
     def authenticate(self, authorization: str) -> TenantState | None:
         """The tenant of an `Authorization: Bearer <key>` header (the anonymous one when no
