@@ -28,8 +28,8 @@ from services.gateway.middleware import (
     RequestContextMiddleware,
     TenantMiddleware,
 )
-from services.gateway.serving import Payload, ticket_of
-from services.gateway.tenants import Tenants
+from services.gateway.serving import Payload
+from services.gateway.tenants import Tenants, ticket_of
 from services.gateway.tracing import TracingMiddleware
 from shared import tracing
 from shared.tokenizer import Tokenizer

@@ -32,7 +32,7 @@ from services.gateway.sampling import (
 from services.gateway.schemas import MAX_N, SamplingFields
 from services.gateway.sse import DONE, KEEPALIVE, EventStreamResponse, run_until_disconnect, sse
 from services.gateway.structured import Structure
-from services.gateway.tenants import Ticket
+from services.gateway.tenants import ticket_of
 from shared.logs import request_id_var
 from shared.sampling_params import resolve_max_tokens
 
@@ -43,12 +43,6 @@ Payload = dict[str, Any]
 
 def request_id(request: Request) -> str:
     return getattr(request.state, "request_id", None) or uuid.uuid4().hex
-
-
-def ticket_of(request: Request) -> Ticket | None:
-    """The tenant's ticket of a request on an authenticated route (see `TenantMiddleware`)."""
-    ticket: Ticket | None = getattr(request.state, "tenant", None)
-    return ticket
 
 
 def engine_base_id() -> str:

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import Request
+
 from services.gateway.errors import APIError
 from services.gateway.key_file import ANONYMOUS, Tenant
 from services.gateway.metrics import GatewayMetrics
@@ -216,3 +218,9 @@ class Tenants:
                     f"try again in {seconds} s."
                 )
                 raise Rejection(429, outcome, message, seconds)
+
+
+def ticket_of(request: Request) -> Ticket | None:
+    """The ticket of a request on /v1/* or /admin/* (`TenantMiddleware` puts it there)."""
+    ticket: Ticket | None = getattr(request.state, "tenant", None)
+    return ticket
