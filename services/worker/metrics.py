@@ -223,6 +223,12 @@ class KVTierCollector(Collector):
             "worker's).",
             labels=[*WID, "source"],
         )
+        load_seconds = CounterMetricFamily(
+            "skiff:kv_load_seconds",
+            "Time the loader spent on KV loads, by source (host, disk, remote): bytes over "
+            "seconds is each path's bandwidth.",
+            labels=[*WID, "source"],
+        )
         failures = CounterMetricFamily(
             "skiff:kv_load_failures",
             "KV loads that failed, by reason: checksum (data did not verify), io (a local "
@@ -247,14 +253,18 @@ class KVTierCollector(Collector):
                 blocks.add_metric([wid, tier], n)
             _add_counts(offload, wid, (KV_HOST, KV_DISK), stats.read(stats.offload_bytes))
             _add_counts(loads, wid, LOAD_SOURCES, stats.read(stats.load_bytes))
+            _add_counts(load_seconds, wid, LOAD_SOURCES, stats.read_seconds())
             _add_counts(failures, wid, LOAD_FAILURES, stats.read(stats.load_failures))
             _add_counts(disk, wid, DISK_OPS, stats.read(stats.disk_errors))
             served.add_metric([wid], served_bytes())
-        yield from (blocks, offload, loads, failures, disk, served)
+        yield from (blocks, offload, loads, load_seconds, failures, disk, served)
 
 
 def _add_counts(
-    family: CounterMetricFamily, wid: str, labels: tuple[str, ...], counts: dict[str, int]
+    family: CounterMetricFamily,
+    wid: str,
+    labels: tuple[str, ...],
+    counts: dict[str, int] | dict[str, float],
 ) -> None:
     """One series per label, 0 for those not counted yet."""
     for label in labels:

@@ -183,6 +183,7 @@ def test_blocks_fetched_from_another_worker_decode_the_same_tokens(
         assert out.kv_loads_done == [4] and out.kv_load_bytes == 3 * dest.kv_tiers.block_bytes
         assert server.bytes_served >= out.kv_load_bytes
         assert dest.kv_tiers.stats.load_bytes == {"remote": out.kv_load_bytes}
+        assert 0 < dest.kv_tiers.stats.read_seconds()["remote"] <= out.kv_load_s
         assert continue_from_loaded(dest, [9, 7, 8]) == reference
         gone = KVLoad(**{**_fields(load), "load_id": 5, "remote_instance_id": "inst-b"})
         out = dest.execute(BatchPlan(step_id=40, kv_loads=[gone]))

@@ -150,6 +150,13 @@ def test_simulated_loads_take_their_bytes_time(model_dir):
         "remote": BLOCK_BYTES,
     }
     assert stats.load_failures == {"io": 2}
+    assert stats.read_seconds() == pytest.approx(
+        {
+            KV_HOST: 2 * BLOCK_BYTES / 0.1e9,
+            KV_DISK: BLOCK_BYTES / 0.1e9,
+            "remote": BLOCK_BYTES / 0.1e9,
+        }
+    )
 
 
 def test_kv_tier_series_read_the_counters_at_each_scrape():
@@ -166,11 +173,14 @@ def test_kv_tier_series_read_the_counters_at_each_scrape():
     assert get("skiff:kv_load_failures_total", {**w, "reason": "checksum"}) == 0
     stats.add(stats.offload_bytes, KV_HOST, 300)
     stats.add(stats.load_bytes, "remote", 200)
+    stats.add_seconds("remote", 0.25)
     stats.add(stats.load_failures, "transfer")
     stats.add(stats.disk_errors, "setup")
     served[0] = 1000
     assert get("skiff:kv_offload_bytes_total", {**w, "tier": "host"}) == 300
     assert get("skiff:kv_load_bytes_total", {**w, "source": "remote"}) == 200
+    assert get("skiff:kv_load_seconds_total", {**w, "source": "remote"}) == 0.25
+    assert get("skiff:kv_load_seconds_total", {**w, "source": "host"}) == 0
     assert get("skiff:kv_load_failures_total", {**w, "reason": "transfer"}) == 1
     assert get("skiff:kv_disk_tier_errors_total", {**w, "op": "setup"}) == 1
     assert get("skiff:kv_transfer_served_bytes_total", w) == 1000

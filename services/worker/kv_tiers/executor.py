@@ -192,6 +192,7 @@ class KVTierExecutor:
             raise ValueError(f"{len(load.src)} source blocks for {len(load.block_ids)} blocks")
         ids = self._device_ids(load.block_ids)
         num_bytes = len(load.block_ids) * self.block_bytes
+        start = time.perf_counter()
         if load.remote_address:
             self._fetch(load, ids)
             source = KV_REMOTE
@@ -209,6 +210,7 @@ class KVTierExecutor:
         else:
             raise ValueError(f"no local load from tier {load.src_tier!r}")
         self.stats.add(self.stats.load_bytes, source, num_bytes)
+        self.stats.add_seconds(source, time.perf_counter() - start)
         return num_bytes
 
     def _fetch(self, load: KVLoad, ids: torch.Tensor) -> None:

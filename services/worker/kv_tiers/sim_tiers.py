@@ -58,6 +58,7 @@ class SimKVTiers:
             num_bytes = len(load.block_ids) * self.stats.block_bytes
             output.kv_load_bytes += num_bytes
             self.stats.add(self.stats.load_bytes, source, num_bytes)
+            self.stats.add_seconds(source, num_bytes / (self.load_gbps * 1e9))
         output.kv_load_s = output.kv_load_bytes / (self.load_gbps * 1e9)
         return output.kv_load_s
 

@@ -27,6 +27,7 @@ class KVTierStats:
     block_bytes: int = 0  # one block of every layer, K and V
     offload_bytes: Counter[str] = field(default_factory=Counter)  # by destination tier
     load_bytes: Counter[str] = field(default_factory=Counter)  # by source (LOAD_SOURCES)
+    load_seconds: dict[str, float] = field(default_factory=dict)  # by source: loader's time
     load_failures: Counter[str] = field(default_factory=Counter)  # by reason (LOAD_FAILURES)
     disk_errors: Counter[str] = field(default_factory=Counter)  # by op (DISK_OPS)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -34,6 +35,14 @@ class KVTierStats:
     def add(self, counter: Counter[str], label: str, amount: int = 1) -> None:
         with self._lock:
             counter[label] += amount
+
+    def add_seconds(self, source: str, seconds: float) -> None:
+        with self._lock:
+            self.load_seconds[source] = self.load_seconds.get(source, 0.0) + seconds
+
+    def read_seconds(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.load_seconds)
 
     def read(self, counter: Counter[str]) -> dict[str, int]:
         with self._lock:
