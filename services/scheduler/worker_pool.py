@@ -70,6 +70,8 @@ class WorkerPool:
             max_model_len=min(self.config.max_model_len, hello.max_model_len),
             block_size=hello.block_size,
         )
+        if hello.role == ROLE_PREFILL:  # nothing decodes there: long prefills take full steps
+            config = dataclasses.replace(config, long_prefill_step_time=0.0, long_prefill_share=1.0)
         core = Scheduler(
             config,
             hello.num_blocks,

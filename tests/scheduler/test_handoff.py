@@ -13,6 +13,7 @@ from services.scheduler.placement import Placement
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import RequestOutput
 from services.scheduler.worker_pool import WorkerHandle, WorkerPool
+from shared.config import SchedulerConfig
 from shared.sampling_params import SamplingParams
 from shared.wire import KV_DEVICE, ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, BatchPlan
 from tests.scheduler.fakes import unpaced_config
@@ -74,6 +75,15 @@ def test_long_prompts_go_to_prefill_workers_and_short_ones_to_decode_workers() -
     fleet.placement.place(short)
     assert fleet.placement.worker_of == {"long": prefill, "short": decode}
     assert long.prefill_only and not short.prefill_only
+
+
+def test_long_prefills_are_not_paced_on_prefill_workers() -> None:
+    pool = WorkerPool(SchedulerConfig(long_prefill_step_time=0.5, long_prefill_share=0.5))
+    roles = (ROLE_PREFILL, ROLE_DECODE, ROLE_MIXED)
+    hellos = [msgspec.structs.replace(hello_of(role), role=role) for role in roles]
+    prefill, decode, mixed = (pool.register(hello)[0] for hello in hellos)
+    assert not prefill.core.pacer.enabled  # nothing decodes there to protect
+    assert decode.core.pacer.enabled and mixed.core.pacer.enabled
 
 
 def test_what_stays_colocated() -> None:
