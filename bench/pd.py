@@ -21,10 +21,9 @@ each window.
   borrow the decode worker's core; gateway, scheduler, NATS and this client float over both.
   Long prompts are cut from Python's library sources (bench/long_prompts.py); the greedy texts
   of the long prompts in the two modes are compared (`output differences: N`). The decode
-  worker's KV fetches give the transfer rate: bytes from its `skiff:kv_load_bytes{source=
-  "remote"}`, seconds from the scheduler's `skiff_pd_transfer_seconds` (from a hand-over until
-  its KV is in place on the decode worker: the worker exports no time of its own fetches), over
-  a plain loopback TCP connection's bandwidth measured in the same run
+  worker's KV fetches give the transfer rate: its `skiff:kv_load_bytes{source="remote"}` over
+  its `skiff:kv_load_seconds{source="remote"}` (the loader's time on them), against a plain
+  loopback TCP connection's bandwidth measured in the same run
   (services/worker/kv_transfer/loopback.py). The transfer path alone (a fetch of 64 blocks from
   a TransferServer in this process, each copied out) is printed too, as a diagnosis.
 - sim: simulated workers (`--worker-device sim`, an 8B model's step times on one H200: a
@@ -324,7 +323,12 @@ class ModeResult:
     long_texts: list[str]
 
 
-KEPT_METRICS = ("skiff_pd_", "skiff:kv_load_bytes", "skiff:kv_load_failures")
+KEPT_METRICS = (
+    "skiff_pd_",
+    "skiff:kv_load_bytes",
+    "skiff:kv_load_seconds",
+    "skiff:kv_load_failures",
+)
 
 
 def grew(before: Metrics, after: Metrics) -> Metrics:
@@ -429,19 +433,22 @@ def transfer_path_bandwidth(repeats: int = 3, num_blocks: int = 64) -> float:
 
 
 def transfer(disaggregated: ModeResult, loopback_bps: float, path_bps: float) -> dict[str, float]:
-    """The decode worker's fetches in the disaggregated CPU mode: bytes (its own counter),
-    seconds (the scheduler's hand-over histogram), and their rate against loopback TCP."""
+    """The decode worker's fetches in the disaggregated CPU mode: bytes and the loader's
+    seconds on them (its own counters), and their rate against loopback TCP; the hand-overs'
+    seconds (the scheduler's histogram: from a hand-over until the KV is in place, waits for
+    room and plans included) for comparison."""
     m = disaggregated.metrics
-    num_bytes = sum(
-        v
-        for k, v in m.items()
-        if k.startswith("skiff:kv_load_bytes_total{") and "source=remote" in k
-    )
-    seconds = m.get("skiff_pd_transfer_seconds_sum", 0.0)
+
+    def remote(name: str) -> float:
+        return sum(v for k, v in m.items() if k.startswith(f"{name}{{") and "source=remote" in k)
+
+    num_bytes = remote("skiff:kv_load_bytes_total")
+    seconds = remote("skiff:kv_load_seconds_total")
     rate = num_bytes / seconds if seconds else 0.0
     return {
         "bytes": num_bytes,
-        "handoff_seconds": seconds,
+        "fetch_seconds": seconds,
+        "handoff_seconds": m.get("skiff_pd_transfer_seconds_sum", 0.0),
         "handoffs": m.get("skiff_pd_transfer_seconds_count", 0.0),
         "bytes_per_s": rate,
         "loopback_bytes_per_s": loopback_bps,
@@ -565,8 +572,9 @@ def main(argv: list[str] | None = None) -> None:
         ).get("loaded", 0.0) * 1e3
         lines += [
             f"KV transfer: {kv['bytes'] / 1e6:.1f} MB in {kv['handoffs']:.0f} hand-overs, "
-            f"{kv['bytes_per_s'] / 1e9:.3f} GB/s (bytes / hand-over seconds: mean {handoff_ms:.0f}"
-            f" ms, the decode worker's mean step {decode_step_ms:.0f} ms); loopback TCP "
+            f"{kv['bytes_per_s'] / 1e9:.3f} GB/s over the loader's {kv['fetch_seconds']:.2f} s "
+            f"(a hand-over until its KV is in place: mean {handoff_ms:.0f} ms, the decode "
+            f"worker's mean step {decode_step_ms:.0f} ms); loopback TCP "
             f"{kv['loopback_bytes_per_s'] / 1e9:.2f} GB/s",
             f"KV transfer path alone / loopback: {kv['path_ratio']:.2f} "
             f"({kv['transfer_path_bytes_per_s'] / 1e9:.2f} GB/s)",
