@@ -11,8 +11,11 @@ import torch
 def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
     """[n, num_layers, 2, block_size, kv_heads, head_dim] copy of `block_ids` ([n] int64 on
     the caches' device), on that device."""
-    per_layer = torch.stack([kv[:, block_ids] for kv in kv_caches])  # [L, 2, n, bs, h, d]
-    return per_layer.permute(2, 0, 1, 3, 4, 5).contiguous()
+    two, _, block_size, heads, head_dim = kv_caches[0].shape
+    out = kv_caches[0].new_empty((len(block_ids), len(kv_caches), two, block_size, heads, head_dim))
+    for layer, kv in enumerate(kv_caches):  # one copy, no stacked intermediate
+        out[:, layer].copy_(kv.index_select(1, block_ids).transpose(0, 1))
+    return out
 
 
 def scatter_blocks(

@@ -37,6 +37,7 @@ from services.worker.kv_transfer import KVIntegrityError, TcpTransport
 from shared.wire import KV_DEVICE, KV_DISK, KV_HOST, KVCopy, KVLoad, ModelRunnerOutput
 
 log = logging.getLogger("skiff.worker.kv")
+FETCH_GROUP = 32  # fetched blocks written to the device pool at once
 
 
 @dataclass
@@ -214,11 +215,19 @@ class KVTierExecutor:
         return num_bytes
 
     def _fetch(self, load: KVLoad, ids: torch.Tensor) -> None:
-        """The load's blocks from another worker, each written to its device block as it
-        arrives."""
+        """The load's blocks from another worker, staged on the host as they arrive and
+        written to their device blocks FETCH_GROUP at a time (a copy per layer and group, not
+        per block)."""
+        staging = torch.empty((len(ids), *self.block_shape), dtype=self.kv_caches[0].dtype)
 
         def out(i: int, data: memoryview) -> None:
-            self._put_block(ids[i : i + 1], data)
+            if len(data) != self.block_bytes:
+                raise ValueError(f"a block of {len(data)} bytes, expected {self.block_bytes}")
+            copy_payload(staging[i], data)
+            if (i + 1) % FETCH_GROUP == 0 or i + 1 == len(ids):
+                start = i - (i % FETCH_GROUP)
+                group = staging[start : i + 1].to(self.device)
+                scatter_blocks(self.kv_caches, ids[start : i + 1], group)
 
         self.transport.fetch(
             load.remote_address,

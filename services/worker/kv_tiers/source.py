@@ -15,6 +15,8 @@ from shared.wire import KV_DEVICE, KV_DISK, KV_HOST
 if TYPE_CHECKING:
     from services.worker.kv_tiers.executor import KVTierExecutor
 
+GATHER_GROUP = 32  # device blocks copied out at once for a fetch
+
 
 class TierBlockSource:
     """A BlockSource over one runner's tiers. LookupError: no such tier or block (IndexError
@@ -35,10 +37,19 @@ class TierBlockSource:
             return _payloads(t.host.snapshot(indices))
         if tier == KV_DEVICE:
             check_range(tier, indices, t.kv_caches[0].shape[1])
-            with torch.inference_mode():
-                ids = torch.tensor(indices, dtype=torch.int64, device=t.device)
-                return _payloads(gather_blocks(t.kv_caches, ids).cpu())
+            return _device_payloads(t.kv_caches, indices, t.device)
         raise LookupError(f"KV tier {tier!r}: none here")
+
+
+def _device_payloads(
+    kv_caches: list[torch.Tensor], indices: list[int], device: torch.device
+) -> Iterator[memoryview]:
+    """Device blocks copied to the host GATHER_GROUP at a time, as they are sent: the first
+    bytes leave while the rest is gathered."""
+    for start in range(0, len(indices), GATHER_GROUP):
+        with torch.inference_mode():
+            ids = torch.tensor(indices[start : start + GATHER_GROUP], device=device)
+            yield from _payloads(gather_blocks(kv_caches, ids).cpu())
 
 
 def _payloads(blocks: torch.Tensor) -> Iterator[memoryview]:
