@@ -76,7 +76,9 @@ from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig  # noqa: 
 from services.worker.kv_transfer import TcpTransport, TransferServer  # noqa: E402
 from services.worker.kv_transfer.bench import BLOCK_BYTES, ArraySource  # noqa: E402
 from services.worker.kv_transfer.loopback import loopback_bandwidth  # noqa: E402
+from services.worker.model_runner import ModelRunner  # noqa: E402
 from shared.config import SchedulerConfig  # noqa: E402
+from shared.wire import KV_DEVICE, BatchPlan, KVLoad  # noqa: E402
 
 Metrics = dict[str, float]  # a Prometheus page's samples (bench/kv_tiers.py's parse_metrics)
 SERVED_NAME = "bench"
@@ -432,6 +434,36 @@ def transfer_path_bandwidth(repeats: int = 3, num_blocks: int = 64) -> float:
     return statistics.median(rates[1:])
 
 
+def runner_transfer_bandwidth(model_dir: str, repeats: int = 3, num_blocks: int = 128) -> float:
+    """Bytes/s of a real worker's fetch, with no step running: `num_blocks` device blocks of
+    one SmolLM2 ModelRunner fetched by another (gather, TCP, checksums, scatter into the pool),
+    both in this process (median of `repeats`)."""
+    config = RunnerConfig(model_dir=model_dir, num_blocks=num_blocks)
+    source, dest = ModelRunner(config, worker_id="a"), ModelRunner(config, worker_id="b")
+    server = TransferServer(source.kv_tiers.block_source(), "a")
+    server.start()
+    rates = []
+    try:
+        for step in range(repeats + 1):  # the first warms up
+            ids = list(range(num_blocks))
+            load = KVLoad(
+                load_id=step,
+                block_ids=ids,
+                src_tier=KV_DEVICE,
+                src=ids,
+                remote_address=server.address,
+                remote_instance_id="a",
+            )
+            out = dest.execute(BatchPlan(step_id=step, kv_loads=[load]))
+            assert out.kv_loads_done == [step], "the fetch failed"
+            rates.append(out.kv_load_bytes / out.kv_load_s)
+    finally:
+        server.close()
+        source.close()
+        dest.close()
+    return statistics.median(rates[1:])
+
+
 def transfer(disaggregated: ModeResult, loopback_bps: float, path_bps: float) -> dict[str, float]:
     """The decode worker's fetches in the disaggregated CPU mode: bytes and the loader's
     seconds on them (its own counters), and their rate against loopback TCP; the hand-overs'
@@ -578,6 +610,15 @@ def main(argv: list[str] | None = None) -> None:
             f"{kv['loopback_bytes_per_s'] / 1e9:.2f} GB/s",
             f"KV transfer path alone / loopback: {kv['path_ratio']:.2f} "
             f"({kv['transfer_path_bytes_per_s'] / 1e9:.2f} GB/s)",
+        ]
+        if not args.quick:  # two more model loads, in this process
+            runner_bps = runner_transfer_bandwidth(str(model_dir))
+            kv["runner_bytes_per_s"] = runner_bps
+            lines.append(
+                "KV transfer runner to runner, no step running / loopback: "
+                f"{runner_bps / kv['loopback_bytes_per_s']:.2f} ({runner_bps / 1e9:.2f} GB/s)"
+            )
+        lines += [
             f"KV transfer / loopback: {kv['ratio']:.2f}",
             f"long prompts compared: {len(cpu_modes['colocated'].long_texts)}",
             f"output differences: {differences}",
