@@ -28,6 +28,14 @@ CHECKED_POSITIONS = [*range(1, 33), *range(2000, 2016), *range(WITH_LOGPROBS - 3
 # The worker's peak RSS may grow by this much while it serves the prompt logprobs: room for
 # chunks of logits, not for all of them.
 MAX_PEAK_GROWTH_MB = 600
+# A long prompt's prefill is the slowest legitimate request: on a slow 2-core machine 8,000
+# tokens took over the shared client's 120 s (transformers' own forward over them took 4.5 min).
+LONG_PROMPT_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def long_client(openai_client):
+    return openai_client.with_options(timeout=LONG_PROMPT_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +66,9 @@ def reference(smollm2_dir, prompt_ids) -> tuple[list[int], dict[int, torch.Tenso
 
 
 def test_an_8000_token_prompt_is_greedy_equal_to_transformers(
-    openai_client, smollm2_dir, prompt_ids, reference
+    long_client, smollm2_dir, prompt_ids, reference
 ):
-    response = openai_client.completions.create(
+    response = long_client.completions.create(
         model=MODEL,
         prompt=prompt_ids,
         max_tokens=NEW_TOKENS,
@@ -80,14 +88,12 @@ def _peak_and_current_rss_mb(pid: int) -> tuple[float, float]:
     return float(fields["VmHWM"].split()[0]) / 1024, float(fields["VmRSS"].split()[0]) / 1024
 
 
-def test_6000_prompt_logprobs_complete_in_bounded_memory(
-    openai_client, stack, prompt_ids, reference
-):
+def test_6000_prompt_logprobs_complete_in_bounded_memory(long_client, stack, prompt_ids, reference):
     worker_pid = stack.procs["worker-0"].pid
     Path(f"/proc/{worker_pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
     _, rss_before = _peak_and_current_rss_mb(worker_pid)
     ids = prompt_ids[:WITH_LOGPROBS]
-    response = openai_client.completions.create(
+    response = long_client.completions.create(
         model=MODEL,
         prompt=ids,
         max_tokens=1,
