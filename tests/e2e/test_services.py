@@ -37,7 +37,9 @@ def two_worker_stack(request, smollm2_dir, tmp_path_factory):
             GatewayConfig(served_model_name="smol"),
             workers=2,
             scheduler=SchedulerConfig(async_scheduling=request.param),
-            scheduler_service=SchedulerServiceConfig(worker_timeout=2.0),
+            # the test's client submits as a gateway but sends no heartbeats: without a long
+            # gateway timeout its requests are aborted as orphans if migration takes 15 s
+            scheduler_service=SchedulerServiceConfig(worker_timeout=2.0, gateway_timeout=600.0),
             log_dir=str(tmp_path_factory.mktemp("logs")),
         )
     )
