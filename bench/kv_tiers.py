@@ -60,7 +60,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.served import greedy_stream_body, sse_chunks  # noqa: E402
+from bench.served import greedy_stream_body, sse_chunks, start_or_show_logs  # noqa: E402
 from bench.workload import CORPUS, TokenEncoder  # noqa: E402
 from services.gateway.config import GatewayConfig  # noqa: E402
 from services.launcher import Stack, StackConfig, free_port  # noqa: E402
@@ -373,12 +373,7 @@ def run_mode(
                 log_dir=str(log_dir),
             )
         )
-        try:
-            stack.start(timeout_s=300)
-        except Exception:
-            for log in sorted(log_dir.glob("*.log")):
-                print(f"--- {log}\n{log.read_text()[-3000:]}", file=sys.stderr)
-            raise
+        start_or_show_logs(stack, log_dir)
         try:
 
             async def run() -> tuple[float, list[Turn], dict[str, float]]:

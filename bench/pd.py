@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.kv_tiers import cpu_model, scrape  # noqa: E402
 from bench.long_prompts import corpus, cut_prompts, percentiles  # noqa: E402
-from bench.served import greedy_stream_body, sse_chunks  # noqa: E402
+from bench.served import greedy_stream_body, sse_chunks, start_or_show_logs  # noqa: E402
 from services.gateway.config import GatewayConfig  # noqa: E402
 from services.launcher import Stack, StackConfig, free_port  # noqa: E402
 from services.scheduler.config import SchedulerServiceConfig  # noqa: E402
@@ -356,12 +356,7 @@ def run_mode(
     config = stack_config(part, mode, model_dir, log_dir, w.disaggregation_threshold)
     stack = Stack(config)
     with env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"):
-        try:
-            stack.start(timeout_s=300)
-        except Exception:
-            for log in sorted(log_dir.glob("*.log")):
-                print(f"--- {log}\n{log.read_text()[-3000:]}", file=sys.stderr)
-            raise
+        start_or_show_logs(stack, log_dir)
     try:
         if part == "cpu":
             cores = sorted(os.sched_getaffinity(0))

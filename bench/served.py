@@ -38,6 +38,16 @@ from services.worker.config import RunnerConfig  # noqa: E402
 from shared.config import SchedulerConfig  # noqa: E402
 
 
+def start_or_show_logs(stack: Stack, log_dir: Path, timeout_s: float = 300.0) -> None:
+    """Start `stack`; if it fails, print the tail of each service log in `log_dir` first."""
+    try:
+        stack.start(timeout_s=timeout_s)
+    except Exception:
+        for log in sorted(log_dir.glob("*.log")):
+            print(f"--- {log}\n{log.read_text()[-3000:]}", file=sys.stderr)
+        raise
+
+
 async def sse_chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     """The JSON chunks of a streamed completion's server-sent events (an HTTP error raises)."""
     resp.raise_for_status()
