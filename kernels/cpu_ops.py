@@ -12,8 +12,9 @@
 
 They are compiled on first use with the machine's C++ compiler (torch's extension builder and
 ninja) into the cache folder, keyed by the sources and the torch version, so later processes
-load them in well under a second. Without a compiler, or without AVX-512, the CPU path keeps
-torch's own ops.
+load them in well under a second. The kernels are built for AVX-512 and for AVX2 with FMA; the
+process uses the widest its CPU has (`isa()`). Without a compiler, or on a CPU with neither, the
+CPU path keeps torch's own ops.
 """
 
 from __future__ import annotations
@@ -47,12 +48,29 @@ def build_dir() -> Path:
 
 def load() -> bool:
     """Build (once per sources and torch version) and load the ops; False where they cannot
-    run here (no compiler, no AVX-512)."""
+    run here (no compiler, neither AVX2 nor AVX-512)."""
     global _loaded
     with _lock:
         if _loaded is None:
-            _loaded = _build_and_load() and bool(torch.ops.skiff_cpu.avx512_supported())
+            _loaded = _build_and_load() and bool(isa())
+            if _loaded:
+                log.info("CPU ops use %s", isa())
         return _loaded
+
+
+ISAS = ("avx512", "avx2")  # the kernels' instruction sets, widest first
+
+
+def isa() -> str:
+    """The instruction set the loaded ops run with: the widest of `ISAS` this CPU has unless
+    `use_isa` picked another; "" where it has none."""
+    return str(torch.ops.skiff_cpu.isa())
+
+
+def use_isa(name: str) -> bool:
+    """Run the loaded ops with the kernels of `name` from now on (tests and benchmarks try each
+    one); False, and nothing changes, where this CPU lacks it."""
+    return bool(torch.ops.skiff_cpu.use_isa(name))
 
 
 def active() -> bool:

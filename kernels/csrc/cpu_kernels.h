@@ -1,12 +1,11 @@
-// Raw-pointer fp32 kernels of the CPU worker (avx512_kernels.cpp), called by the ops in
-// cpu_ops.cpp. Every function here needs AVX-512F: call them only when `avx512_supported()`.
+// Raw-pointer fp32 kernels of the CPU worker, called by the ops in cpu_ops.cpp through
+// `kernels()`: one body (kernel_bodies.h) built once per instruction set, AVX-512F
+// (avx512_kernels.cpp) and AVX2 with FMA (avx2_kernels.cpp), picked for this CPU at run time.
 #pragma once
 
 #include <cstdint>
 
 namespace skiff_cpu {
-
-bool avx512_supported();
 
 // How a weight matrix [N, K] is stored: fp32; bf16 (the upper half of an fp32); int8 with an
 // fp32 scale per group of kInt8Group consecutive weights of a row (scale [N, K / kInt8Group],
@@ -19,15 +18,17 @@ constexpr int64_t kInt8Group = 32;
 // splits N by whole blocks; a ragged end is finished row by row). x [M, K], w [N, K],
 // y [M, N] row-major; K % 16 == 0 (% kInt8Group for int8).
 constexpr int64_t kLinearRowBlock = 4;
-void linear_rows(const float* x, const void* w, WeightFormat format, const float* scale,
-                 float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end);
+using LinearRows = void (*)(const float* x, const void* w, WeightFormat format,
+                            const float* scale, float* y, int64_t M, int64_t K, int64_t N,
+                            int64_t n_begin, int64_t n_end);
 
 // out = rms_norm(x) * weight over `dim` floats (variance in fp32, like the model).
-void rms_norm_row(const float* x, const float* weight, float* out, int64_t dim, float eps);
+using RmsNormRow = void (*)(const float* x, const float* weight, float* out, int64_t dim,
+                            float eps);
 
 // Neox rotary in place on one head: the first `rot_dim` dims rotate by cos_sin =
 // [cos (rot_dim / 2), sin (rot_dim / 2)], the rest pass through.
-void rotate_head(float* head, const float* cos_sin, int64_t rot_dim);
+using RotateHead = void (*)(float* head, const float* cos_sin, int64_t rot_dim);
 
 // The `group` query heads that share KV head `kv_head` (q: [group, head_dim], contiguous),
 // for one token whose causal context is positions [0, context_len) of its request:
@@ -35,10 +36,11 @@ void rotate_head(float* head, const float* cos_sin, int64_t rot_dim);
 // block_table[t / block_size] * block_size + t % block_size; head `kv_head` of a slot starts
 // at (slot * num_kv_heads + kv_head) * head_dim. `scores` holds group * context_len floats;
 // head_dim % 16 == 0. `out` is [group, head_dim] with a row stride of `out_stride` floats.
-void attend(const float* q, int64_t group, const float* key_cache, const float* value_cache,
-            const int32_t* block_table, int64_t context_len, int64_t block_size,
-            int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, float scale,
-            float* scores, float* out, int64_t out_stride);
+using Attend = void (*)(const float* q, int64_t group, const float* key_cache,
+                        const float* value_cache, const int32_t* block_table,
+                        int64_t context_len, int64_t block_size, int64_t num_kv_heads,
+                        int64_t kv_head, int64_t head_dim, float scale, float* scores,
+                        float* out, int64_t out_stride);
 
 // Prefill attention, flash-attention style: `tokens` consecutive query tokens of one request,
 // at positions first_pos .. first_pos + tokens - 1 (token j sees context positions
@@ -54,13 +56,40 @@ constexpr int64_t kKeyTile = 64;
 constexpr int64_t prefill_scratch_floats(int64_t head_dim) {
   return (2 * head_dim + kKeyTile) * kPrefillRows;
 }
-void attend_prefill(const float* q, int64_t q_stride, int64_t tokens, int64_t group,
-                    int64_t first_pos, const float* key_cache, const float* value_cache,
-                    const int32_t* block_table, int64_t block_size, int64_t num_kv_heads,
-                    int64_t kv_head, int64_t head_dim, float scale, float* scratch, float* out,
-                    int64_t out_stride);
+using AttendPrefill = void (*)(const float* q, int64_t q_stride, int64_t tokens, int64_t group,
+                               int64_t first_pos, const float* key_cache,
+                               const float* value_cache, const int32_t* block_table,
+                               int64_t block_size, int64_t num_kv_heads, int64_t kv_head,
+                               int64_t head_dim, float scale, float* scratch, float* out,
+                               int64_t out_stride);
 
 // out[i] = silu(gate_up[i]) * gate_up[dim + i] for i < dim.
-void silu_and_mul_row(const float* gate_up, float* out, int64_t dim);
+using SiluAndMulRow = void (*)(const float* gate_up, float* out, int64_t dim);
+
+struct KernelTable {
+  LinearRows linear_rows;
+  RmsNormRow rms_norm_row;
+  RotateHead rotate_head;
+  Attend attend;
+  AttendPrefill attend_prefill;
+  SiluAndMulRow silu_and_mul_row;
+};
+
+namespace avx512 {
+extern const KernelTable kernel_table;
+}
+namespace avx2 {
+extern const KernelTable kernel_table;
+}
+
+// The instruction set the kernels use: "avx512" or "avx2", the widest this CPU has unless
+// `use_isa` picked another; "" where the CPU has neither (then `kernels()` must not be called).
+const char* isa();
+
+// Run the kernels of `name` from now on; false (and nothing changes) if this CPU lacks it.
+bool use_isa(const char* name);
+
+// The kernels of `isa()`.
+const KernelTable& kernels();
 
 }  // namespace skiff_cpu

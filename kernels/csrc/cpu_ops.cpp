@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -82,11 +83,11 @@ void linear_into(const float* x, const Weight& w, float* y, int64_t M, int64_t K
   for (int64_t m = 0; m < M; m += kTokensPerChunk) {
     const int64_t rows = std::min(kTokensPerChunk, M - m);
     at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
-      skiff_cpu::linear_rows(x + m * K, w.data, w.format, w.scale, y + m * N, rows, K, N,
+      skiff_cpu::kernels().linear_rows(x + m * K, w.data, w.format, w.scale, y + m * N, rows, K, N,
                              begin * kLinearRowBlock, end * kLinearRowBlock);
     });
     if (blocks * kLinearRowBlock < N)
-      skiff_cpu::linear_rows(x + m * K, w.data, w.format, w.scale, y + m * N, rows, K, N,
+      skiff_cpu::kernels().linear_rows(x + m * K, w.data, w.format, w.scale, y + m * N, rows, K, N,
                              blocks * kLinearRowBlock, N);
   }
 }
@@ -94,10 +95,9 @@ void linear_into(const float* x, const Weight& w, float* y, int64_t M, int64_t K
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& weight_scale) {
-  static const bool supported = skiff_cpu::avx512_supported();
   const auto w = as_weight(weight, weight_scale);
-  if (!supported || !w || !is_fp32_cpu(x) || x.dim() < 1 || x.size(-1) != weight.size(1) ||
-      x.numel() == 0) {
+  if (!*skiff_cpu::isa() || !w || !is_fp32_cpu(x) || x.dim() < 1 ||
+      x.size(-1) != weight.size(1) || x.numel() == 0) {
     if (weight.scalar_type() == x.scalar_type() && !(weight_scale && weight_scale->defined()))
       return at::linear(x, weight, bias);
     return at::linear(x, dequantized(weight, weight_scale).to(x.scalar_type()), bias);
@@ -183,12 +183,12 @@ void attend_tasks(const float* q, int64_t q_row_stride, const at::Tensor& key_ca
       const int32_t* request_table = table + t.request * width;
       if (t.tokens == 1) {  // a decode token (or a chunk's last, alone in its tile)
         scratch.resize(group * (t.first_pos + 1));
-        skiff_cpu::attend(q_rows, group, keys, values, request_table, t.first_pos + 1,
+        skiff_cpu::kernels().attend(q_rows, group, keys, values, request_table, t.first_pos + 1,
                           block_size, num_kv_heads, t.kv_head, head_dim, scale, scratch.data(),
                           out_rows, head_dim);
       } else {
         scratch.resize(skiff_cpu::prefill_scratch_floats(head_dim));
-        skiff_cpu::attend_prefill(q_rows, q_row_stride, t.tokens, group, t.first_pos, keys,
+        skiff_cpu::kernels().attend_prefill(q_rows, q_row_stride, t.tokens, group, t.first_pos, keys,
                                   values, request_table, block_size, num_kv_heads, t.kv_head,
                                   head_dim, scale, scratch.data(), out_rows,
                                   num_heads * head_dim);
@@ -204,7 +204,7 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, heads, head_di
                            const at::Tensor& seq_lens,         // [R] int32
                            const at::Tensor& block_table,      // [R, max_blocks] int32
                            double scale, int64_t block_size) {
-  TORCH_CHECK(skiff_cpu::avx512_supported(), "paged_attention needs AVX-512");
+  TORCH_CHECK(*skiff_cpu::isa(), "paged_attention needs AVX2 or AVX-512");
   for (const at::Tensor* t : {&query, &key_cache, &value_cache})
     TORCH_CHECK(is_fp32_cpu(*t) && t->is_contiguous(),
                 "paged_attention takes contiguous fp32 CPU tensors");
@@ -233,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   const at::Tensor w = weight.contiguous();
   at::parallel_for(0, sum.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      skiff_cpu::rms_norm_row(sum.data_ptr<float>() + t * H, w.data_ptr<float>(),
+      skiff_cpu::kernels().rms_norm_row(sum.data_ptr<float>() + t * H, w.data_ptr<float>(),
                               out.data_ptr<float>() + t * H, H, static_cast<float>(eps));
   });
   return {out, sum};
@@ -257,9 +257,9 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
     for (int64_t t = begin; t < end; ++t) {
       const float* cs = cache.data_ptr<float>() + pos.data_ptr<int64_t>()[t] * rot_dim;
       for (int64_t h = 0; h < q_heads; ++h)
-        skiff_cpu::rotate_head(q.data_ptr<float>() + (t * q_heads + h) * head_dim, cs, rot_dim);
+        skiff_cpu::kernels().rotate_head(q.data_ptr<float>() + (t * q_heads + h) * head_dim, cs, rot_dim);
       for (int64_t h = 0; h < k_heads; ++h)
-        skiff_cpu::rotate_head(k.data_ptr<float>() + (t * k_heads + h) * head_dim, cs, rot_dim);
+        skiff_cpu::kernels().rotate_head(k.data_ptr<float>() + (t * k_heads + h) * head_dim, cs, rot_dim);
     }
   });
   return {q, k};
@@ -273,7 +273,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({in.size(0), inter}, in.options());
   at::parallel_for(0, in.size(0), 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      skiff_cpu::silu_and_mul_row(in.data_ptr<float>() + t * 2 * inter,
+      skiff_cpu::kernels().silu_and_mul_row(in.data_ptr<float>() + t * 2 * inter,
                                   out.data_ptr<float>() + t * inter, inter);
   });
   return out;
@@ -302,7 +302,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const std::optional<at::Tensor>& gate_up_scale,
     const std::optional<at::Tensor>& down_scale,
     double eps, double scale, int64_t num_heads, int64_t block_size) {
-  TORCH_CHECK(skiff_cpu::avx512_supported(), "decode_layer needs AVX-512");
+  TORCH_CHECK(*skiff_cpu::isa(), "decode_layer needs AVX2 or AVX-512");
   for (const at::Tensor* t :
        {&hidden, &residual, &input_norm, &cos_sin, &key_cache, &value_cache, &post_norm}) {
     TORCH_CHECK(is_fp32_cpu(*t) && t->is_contiguous(),
@@ -334,10 +334,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
       float* head = qkv_p + b * row + h * head_dim;
       if (qk_norm) {
         const at::Tensor& w = h < num_heads ? *q_norm : *k_norm;
-        skiff_cpu::rms_norm_row(head, w.data_ptr<float>(), head, head_dim,
+        skiff_cpu::kernels().rms_norm_row(head, w.data_ptr<float>(), head, head_dim,
                                 static_cast<float>(eps));
       }
-      skiff_cpu::rotate_head(head, cs, rot_dim);
+      skiff_cpu::kernels().rotate_head(head, cs, rot_dim);
     }
     const int64_t dst = slots[b] * kv_size;
     std::copy_n(qkv_p + b * row + q_size, kv_size, key_cache.data_ptr<float>() + dst);
@@ -363,7 +363,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 }  // namespace
 
 TORCH_LIBRARY(skiff_cpu, m) {
-  m.def("avx512_supported() -> bool", [] { return skiff_cpu::avx512_supported(); });
+  m.def("isa() -> str", [] { return std::string(skiff_cpu::isa()); });
+  m.def("use_isa(str name) -> bool",
+        [](const std::string& name) { return skiff_cpu::use_isa(name.c_str()); });
   m.def(
       "linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? weight_scale=None) -> "
       "Tensor");

@@ -18,9 +18,15 @@ from services.worker.weight_format import INT8_GROUP, quantize_int8
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernel():
-    assert cpu_ops.load(), "the C++ CPU linear kernel must build on x86-64 with g++"
+@pytest.fixture(scope="module", autouse=True, params=cpu_ops.ISAS)
+def kernel(request):
+    """Every test runs with each instruction set's kernels that this CPU can run."""
+    assert cpu_ops.load(), "the C++ CPU ops must build and run on x86-64 with g++ (AVX2 or more)"
+    widest = cpu_ops.isa()
+    if not cpu_ops.use_isa(request.param):
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    cpu_ops.use_isa(widest)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,20 @@
+// The kernels of cpu_kernels.h built for AVX2 with FMA (x86-64 CPUs since 2013 without
+// AVX-512). Only this file is compiled for AVX2, and it includes no torch header.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <utility>
+
+#include "cpu_kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+namespace skiff_cpu::avx2 {
+#include "simd_avx2.h"
+#include "kernel_bodies.h"
+}  // namespace skiff_cpu::avx2
+
+#pragma GCC pop_options

@@ -1,0 +1,42 @@
+// Which kernels of cpu_kernels.h run: the widest instruction set this CPU has, unless
+// `use_isa` picked a narrower one (tests and benchmarks run each one the CPU can).
+#include <atomic>
+#include <string_view>
+
+#include "cpu_kernels.h"
+
+namespace skiff_cpu {
+namespace {
+
+bool cpu_has(std::string_view name) {
+  if (name == "avx512") return __builtin_cpu_supports("avx512f");
+  if (name == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return false;
+}
+
+const char* widest() {
+  for (const char* name : {"avx512", "avx2"})
+    if (cpu_has(name)) return name;
+  return "";
+}
+
+std::atomic<const char*> in_use{widest()};
+
+}  // namespace
+
+const char* isa() { return in_use.load(); }
+
+bool use_isa(const char* name) {
+  for (const char* known : {"avx512", "avx2"})
+    if (std::string_view(name) == known && cpu_has(known)) {
+      in_use.store(known);
+      return true;
+    }
+  return false;
+}
+
+const KernelTable& kernels() {
+  return std::string_view(isa()) == "avx512" ? avx512::kernel_table : avx2::kernel_table;
+}
+
+}  // namespace skiff_cpu
