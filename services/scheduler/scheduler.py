@@ -265,7 +265,11 @@ class Scheduler:
         self.finished_req_ids = []
         self.pacer.record(
             plan.step_id,
-            {req_id: n for req_id, n in num_scheduled.items() if n > 1},
+            {
+                req_id: (n, self.requests[req_id].num_computed_tokens - n)
+                for req_id, n in num_scheduled.items()
+                if n > 1
+            },
             sum(1 for n in num_scheduled.values() if n == 1),
         )
         self.step_id += 1
