@@ -57,7 +57,9 @@ class SchedulerConfig:
         "worker's measured step times (0: 4 percent of the context length)",
     )
     long_prefill_step_time: float = setting(
-        0.5, "seconds a step's long prefill chunks may take in all (0: no limit)"
+        0.5,
+        "seconds a step's long prefill chunks may add to the step's fixed cost (reading the "
+        "weights), in all (0: no limit)",
     )
     long_prefill_share: float = setting(
         0.5,
