@@ -4,16 +4,19 @@ Values come from a snapshot of the logits at the requested stage (raw or process
 before the sampler changes them in place. `*_logprobs` modes subtract the row's logsumexp,
 `*_logits` modes report the logits themselves. The rank counts tokens whose value is >= the
 sampled token's (vLLM's rule), so ties share the worse rank.
+
+The logsumexp is computed last, in place over the values (no [rows, vocab] temporary): the
+values are spent by then.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from services.worker.sampler.block_topk import topk
-from services.worker.sampler.chunking import row_chunks
 
 _RANK_WINDOW = 64
 
@@ -28,31 +31,28 @@ class TopLogprobs:
 def top_logprobs(
     values: torch.Tensor, token_ids: torch.Tensor, num_top: int, as_logprobs: torch.Tensor
 ) -> TopLogprobs:
-    """values: [r, vocab] logits, token_ids: [r], as_logprobs: [r] bool -> TopLogprobs."""
+    """values: [r, vocab] fp32 logits, overwritten; token_ids: [r], as_logprobs: [r] bool ->
+    TopLogprobs."""
     num_top = min(num_top, values.shape[1])
-    parts = [
-        _top_logprobs(values[s], token_ids[s], num_top, as_logprobs[s]) for s in row_chunks(values)
-    ]
-    return TopLogprobs(
-        torch.cat([p.token_ids for p in parts]),
-        torch.cat([p.values for p in parts]),
-        torch.cat([p.ranks for p in parts]),
-    )
-
-
-def _top_logprobs(
-    values: torch.Tensor, token_ids: torch.Tensor, num_top: int, as_logprobs: torch.Tensor
-) -> TopLogprobs:
     width = min(values.shape[1], max(num_top, _RANK_WINDOW))  # 64: ranks come free for most tokens
     window, window_ids = topk(values, width)  # [r, width] descending
     top_values, top_ids = window[:, :num_top], window_ids[:, :num_top]
     chosen = values.gather(1, token_ids.unsqueeze(1))  # [r, 1]
     out = torch.cat((chosen, top_values), dim=1)  # [r, 1 + k]
-    if bool(as_logprobs.any()):
-        lse = values.logsumexp(dim=1, keepdim=True)
-        out = out - torch.where(as_logprobs.unsqueeze(1), lse, torch.zeros_like(lse))
     ids = torch.cat((token_ids.unsqueeze(1), top_ids), dim=1)
-    return TopLogprobs(ids, out, _ranks(values, window, chosen))
+    ranks = _ranks(values, window, chosen)
+    if bool(as_logprobs.any()):
+        lse = logsumexp_(values)
+        out = out - torch.where(as_logprobs.unsqueeze(1), lse, torch.zeros_like(lse))
+    return TopLogprobs(ids, out, ranks)
+
+
+def logsumexp_(x: torch.Tensor) -> torch.Tensor:
+    """[r, vocab] -> [r, 1], bit for bit x.logsumexp(dim=1, keepdim=True) (same steps as
+    ATen's), computed in place: x is overwritten."""
+    top = x.amax(dim=1, keepdim=True)  # [r, 1]
+    top.masked_fill_(top.abs() == math.inf, 0.0)
+    return x.sub_(top).exp_().sum(dim=1, keepdim=True).log_().add_(top)
 
 
 def _ranks(values: torch.Tensor, window: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

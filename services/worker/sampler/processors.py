@@ -13,9 +13,15 @@ from services.worker.sampler.topk_topp import on_rows
 _NEG_INF = float("-inf")
 
 
-def apply_allowed_token_ids(logits: torch.Tensor, allowed: Allowed) -> None:
-    """Every token outside a row's whitelist becomes -inf."""
+def apply_allowed_token_ids(
+    logits: torch.Tensor, allowed: Allowed, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Every token outside a row's whitelist becomes -inf: in place, or into `out` ([n, vocab],
+    only when the whitelist covers all n rows). Returns the result."""
+    if out is not None:
+        return torch.where(allowed.banned, _neg_inf(logits), logits, out=out)
     on_rows(logits, allowed.rows, lambda x: torch.where(allowed.banned, _neg_inf(x), x, out=x))
+    return logits
 
 
 def apply_bad_words(logits: torch.Tensor, bad: BadWords) -> None:

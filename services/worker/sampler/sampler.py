@@ -1,12 +1,14 @@
 """The sampler: logits of the batch's sampling rows -> next tokens (+ logprobs).
 
-Order (vLLM's semantics; see docs/architecture.md): snapshot for raw logprobs ->
-float32 -> allowed_token_ids -> bad words -> min_tokens -> logit_bias -> penalties ->
+Order (vLLM's semantics; see docs/architecture.md): float32 (a working copy when raw logprobs
+are wanted) -> allowed_token_ids -> bad words -> min_tokens -> logit_bias -> penalties ->
 structured-output grammar mask -> greedy argmax, or temperature -> min_p -> top-k -> top-p ->
 (snapshot for processed logprobs) -> sample -> top logprobs with the sampled token's value and rank.
 
 Every step works on the whole batch at once and is skipped when no row needs it (its metadata
-is None). The logits are changed in place. Randomness: see `random.py`.
+is None). The steps change the logits in place: the caller's, or the working copy that keeps
+them raw for raw logprobs (filled by the whitelist's pass when there is one); the caller's
+logits may be overwritten either way. Randomness: see `random.py`.
 """
 
 from __future__ import annotations
@@ -43,24 +45,40 @@ class Sampler:
         self._buffers: dict[str, torch.Tensor] = {}  # logprobs snapshots, reused across steps
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits: [num_reqs, vocab_size], modified in place -> one token per row."""
+        """logits: [num_reqs, vocab_size], may be overwritten -> one token per row."""
         if not len(logits):
             return SamplerOutput(torch.empty(0, dtype=torch.long, device=logits.device))
         lp = meta.logprobs
-        raw = self._raw(logits, meta, lp.raw_rows) if lp is not None else None
-        logits = logits.float()
-        apply_logit_processors(logits, meta)
+        raw_rows = lp.raw_rows if lp is not None else None
+        x, allowed_done = self._working_logits(logits, meta, keep_raw=raw_rows is not None)
+        apply_logit_processors(x, meta, allowed_done)
         if meta.penalties is not None:
-            apply_penalties(logits, meta.penalties)
+            apply_penalties(x, meta.penalties)
         if meta.grammar is not None:
             words = meta.grammar.bitmask.shape[1]
-            buffer = self._buffer("grammar", (len(logits) * words * 32,), logits.device)
-            processors.apply_grammar_mask(logits, meta.grammar, buffer)
-        sampled, processed = self._sample(logits, meta)
+            buffer = self._buffer("grammar", (len(x) * words * 32,), x.device)
+            processors.apply_grammar_mask(x, meta.grammar, buffer)
+        sampled, processed = self._sample(x, meta)
         result = SamplerOutput(sampled_token_ids=sampled)
         if lp is not None:
+            raw = None if raw_rows is None else rows_of(logits, raw_rows).float()
             _attach_logprobs(result, lp, raw, processed)
         return result
+
+    def _working_logits(
+        self, logits: torch.Tensor, meta: SamplingMetadata, keep_raw: bool
+    ) -> tuple[torch.Tensor, bool]:
+        """fp32 logits for the in-place steps ([n, vocab]), and whether the allowed-token
+        whitelist is applied already. When raw logprobs need the logits untouched: a buffer
+        kept across steps, filled by the whitelist's pass where it covers every row (no
+        separate copy); logits itself is then left unchanged."""
+        if not keep_raw or not meta.changes_logits or logits.dtype != torch.float32:
+            return logits.float(), False  # a copy unless logits are fp32 already
+        work = self._buffer("work", logits.shape, logits.device)[: len(logits)]
+        allowed = meta.allowed
+        if allowed is not None and len(allowed.rows) == len(logits):
+            return processors.apply_allowed_token_ids(logits, allowed, out=work), True
+        return work.copy_(logits), False
 
     def _sample(
         self, logits: torch.Tensor, meta: SamplingMetadata
@@ -83,14 +101,6 @@ class Sampler:
         if greedy is not None:
             sampled = torch.where(meta.greedy_mask, greedy, sampled)
         return sampled, processed
-
-    def _raw(
-        self, logits: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """Raw logits of `rows` (those with a raw_* logprobs mode), safe from in-place steps."""
-        if rows is not None and logits.dtype == torch.float32 and meta.changes_logits:
-            return self._snapshot("raw", logits, rows)
-        return None if rows is None else rows_of(logits, rows).float()
 
     def _snapshot(
         self, name: str, logits: torch.Tensor, rows: torch.Tensor | None
@@ -135,9 +145,12 @@ def draw(
     return tokens
 
 
-def apply_logit_processors(logits: torch.Tensor, meta: SamplingMetadata) -> None:
-    """Whitelist, bad words, then the processors that can change greedy results."""
-    if meta.allowed is not None:
+def apply_logit_processors(
+    logits: torch.Tensor, meta: SamplingMetadata, allowed_done: bool = False
+) -> None:
+    """Whitelist (unless `allowed_done`), bad words, then the processors that can change greedy
+    results."""
+    if meta.allowed is not None and not allowed_done:
         processors.apply_allowed_token_ids(logits, meta.allowed)
     if meta.bad_words is not None:
         processors.apply_bad_words(logits, meta.bad_words)
