@@ -2,9 +2,10 @@
 
 The k largest values of a row lie in the k blocks (of 64 consecutive tokens) with the largest
 maxima, plus the tail that does not fill a block: one cheap pass of block maxima (`amax` is
-vectorized, `topk` and `argmax` are not), then work on k * 64 candidates. Values are exactly
-torch.topk's; among tied values the ids may differ (torch.topk does not promise which tied id
-it returns either). `argmax` returns the first maximal index, as torch.argmax does.
+vectorized, `topk` and `argmax` are not), then work on k * 64 candidates, copied block by
+block. Values are exactly torch.topk's; among tied values the ids may differ (torch.topk does
+not promise which tied id it returns either). `argmax` returns the first maximal index, as
+torch.argmax does.
 """
 
 from __future__ import annotations
@@ -16,19 +17,30 @@ _BLOCK = 64
 
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [r, vocab] -> (values, ids) [r, k], descending, like x.topk(k, dim=1)."""
-    r, vocab = x.shape
+    vocab = x.shape[1]
     if x.is_cuda or 4 * k * _BLOCK > vocab:
         return x.topk(k, dim=1)
     full = vocab - vocab % _BLOCK
     maxima = torch.unflatten(x[:, :full], 1, (-1, _BLOCK)).amax(dim=2)  # [r, full / BLOCK]
     blocks = maxima.topk(k, dim=1).indices  # [r, k]
-    offsets = torch.arange(_BLOCK, device=x.device)
-    cols = (blocks.unsqueeze(2) * _BLOCK + offsets).flatten(1)  # [r, k * BLOCK]
-    if full < vocab:
-        tail = torch.arange(full, vocab, device=x.device).expand(r, -1)
-        cols = torch.cat((cols, tail), dim=1)
-    values, picked = x.gather(1, cols).topk(k, dim=1)
-    return values, cols.gather(1, picked)
+    values, picked = _candidates(x, blocks, full).topk(k, dim=1)  # [r, k]
+    in_blocks = picked < k * _BLOCK
+    block = blocks.gather(1, (picked // _BLOCK).clamp_(max=k - 1))
+    ids = torch.where(in_blocks, block * _BLOCK + picked % _BLOCK, picked - k * _BLOCK + full)
+    return values, ids
+
+
+def _candidates(x: torch.Tensor, blocks: torch.Tensor, full: int) -> torch.Tensor:
+    """[r, k * BLOCK + vocab - full]: each row's `blocks` ([r, k]) in order, then its tail.
+
+    The blocks are rows of a view of every BLOCK-long window of x; `index_select` copies them
+    whole, several times faster than an elementwise gather of [r, k * BLOCK] column ids."""
+    r, vocab = x.shape
+    x = x.contiguous()
+    starts = blocks * _BLOCK + torch.arange(r, device=x.device).unsqueeze(1) * vocab  # [r, k]
+    windows = x.view(-1).unfold(0, _BLOCK, 1)  # [r * vocab - BLOCK + 1, BLOCK], no copy
+    picked = windows.index_select(0, starts.flatten()).view(r, -1)  # [r, k * BLOCK]
+    return picked if full == vocab else torch.cat((picked, x[:, full:]), dim=1)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

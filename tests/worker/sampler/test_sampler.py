@@ -400,10 +400,11 @@ def test_small_kept_sets_sample_like_the_full_row():
     assert _sample(filtered, row.repeat(n, 1)) == _sample(plain, masked.repeat(n, 1))
 
 
+@pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("vocab", [300, 1000, 4096, 5000, 49155])
-def test_block_topk_and_argmax_match_torch(vocab):
+def test_block_topk_and_argmax_match_torch(vocab, strided):
     g = torch.Generator().manual_seed(vocab)
-    x = torch.randn(12, vocab, generator=g)
+    x = torch.randn(12, vocab + 3 * strided, generator=g)[:, :vocab]  # strided: rows padded
     x[1] = float("-inf")  # nothing finite
     x[2, 5:] = float("-inf")  # fewer finite values than k
     x[3] = 0.5  # all tied
