@@ -42,16 +42,16 @@ def top_logprobs(
     ids = torch.cat((token_ids.unsqueeze(1), top_ids), dim=1)
     ranks = _ranks(values, window, chosen)
     if bool(as_logprobs.any()):
-        lse = logsumexp_(values)
+        lse = logsumexp_(values, window[:, :1])
         out = out - torch.where(as_logprobs.unsqueeze(1), lse, torch.zeros_like(lse))
     return TopLogprobs(ids, out, ranks)
 
 
-def logsumexp_(x: torch.Tensor) -> torch.Tensor:
-    """[r, vocab] -> [r, 1], bit for bit x.logsumexp(dim=1, keepdim=True) (same steps as
-    ATen's), computed in place: x is overwritten."""
-    top = x.amax(dim=1, keepdim=True)  # [r, 1]
-    top.masked_fill_(top.abs() == math.inf, 0.0)
+def logsumexp_(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """x: [r, vocab], row_max: [r, 1] its maxima -> [r, 1], bit for bit
+    x.logsumexp(dim=1, keepdim=True) (same steps as ATen's), computed in place: x is
+    overwritten."""
+    top = row_max.masked_fill(row_max.abs() == math.inf, 0.0)
     return x.sub_(top).exp_().sum(dim=1, keepdim=True).log_().add_(top)
 
 
