@@ -22,7 +22,7 @@ from services.worker.sampler.logprobs import scatter_rows, top_logprobs
 from services.worker.sampler.metadata import LogprobsSpec, SamplingMetadata
 from services.worker.sampler.penalties import apply_penalties
 from services.worker.sampler.random import row_uniforms, sample_candidates, sample_inverse_cdf
-from services.worker.sampler.topk_topp import Cutoffs, mask_below, rows_of
+from services.worker.sampler.topk_topp import Cutoffs, divided, mask_below, rows_of
 
 
 @dataclass
@@ -88,29 +88,38 @@ class Sampler:
         if meta.all_greedy:
             return block_topk.argmax(logits), self._snapshot("processed", logits, processed_rows)
         greedy = None if meta.all_random else block_topk.argmax(logits)
+        divisor = None
         if meta.needs_temperature:
-            topk_topp.apply_temperature(logits, meta.temperature)
+            divisor = topk_topp.temperature_divisor(meta.temperature)  # [n, 1]
         cut = None
         if meta.filters is not None:
-            cut = topk_topp.compute_cutoffs(logits, meta.filters)
-        processed = self._snapshot("processed", logits, processed_rows)
+            cut = topk_topp.compute_cutoffs(logits, meta.filters, divisor)
+        processed = self._snapshot("processed", logits, processed_rows, divisor)
         if processed is not None and cut is not None:
             mask_below(processed, cut.threshold[processed_rows])
         u = row_uniforms(meta.seeded, meta.seeds, meta.output_positions, self._generator)
-        sampled = draw(logits, meta.random_rows, cut, u)
+        sampled = draw(logits, meta.random_rows, cut, u, divisor)
         if greedy is not None:
             sampled = torch.where(meta.greedy_mask, greedy, sampled)
         return sampled, processed
 
     def _snapshot(
-        self, name: str, logits: torch.Tensor, rows: torch.Tensor | None
+        self,
+        name: str,
+        logits: torch.Tensor,
+        rows: torch.Tensor | None,
+        divisor: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """fp32 copy of logits[rows] ([r, vocab]) in a buffer kept across steps (no fresh
-        50 MB allocation per step), or None without rows."""
+        """fp32 copy of logits[rows] ([r, vocab]), divided by divisor[rows] ([n, 1]) if given,
+        in a buffer kept across steps (no fresh 50 MB allocation per step); None without
+        rows."""
         if rows is None:
             return None
         src = rows_of(logits, rows)
-        return self._buffer(name, src.shape, src.device)[: len(src)].copy_(src)
+        out = self._buffer(name, src.shape, src.device)[: len(src)]
+        if divisor is None:
+            return out.copy_(src)
+        return torch.div(src, rows_of(divisor, rows), out=out)
 
     def _buffer(
         self, name: str, shape: torch.Size | tuple[int, ...], device: torch.device
@@ -124,10 +133,15 @@ class Sampler:
 
 
 def draw(
-    logits: torch.Tensor, rows: torch.Tensor, cut: Cutoffs | None, u: torch.Tensor
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    cut: Cutoffs | None,
+    u: torch.Tensor,
+    divisor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token for each of `rows` ([n] result; other rows hold 0). Rows with a small kept
-    set sample from it; the others from their full (masked) row."""
+    set sample from it; the others from their full row, divided by divisor ([n, 1], the
+    temperature) and masked. logits: [n, vocab] before temperature, overwritten."""
     tokens = torch.zeros(len(logits), dtype=torch.long, device=logits.device)
     full = rows
     if cut is not None and cut.small is not None:
@@ -138,7 +152,7 @@ def draw(
         is_full[small.rows] = False
         full = torch.nonzero(is_full).squeeze(1)
     if full.numel():
-        x = rows_of(logits, full)
+        x = divided(rows_of(logits, full), None if divisor is None else rows_of(divisor, full))
         if cut is not None:
             mask_below(x, rows_of(cut.threshold, full))
         tokens[full] = sample_inverse_cdf(x, u[full])

@@ -1,5 +1,10 @@
 """Temperature, then min-p, top-k and top-p as one per-row logit threshold, without sorting.
 
+Temperature is applied lazily: dividing by t > 0 keeps the order of the logits, so the window
+below is taken before dividing and only its values are divided (the same float divisions as
+dividing the whole row first); full rows are divided only where they are needed (see
+`temperature_divisor`).
+
 One window of each row's largest logits ([r, W], W = max(SMALL + 1, largest k), from
 block_topk) decides every filter (vLLM's rules):
 - min-p keeps p_i >= min_p * p_max, i.e. x_i >= x_max + log(min_p);
@@ -59,10 +64,14 @@ def on_rows(x: torch.Tensor, rows: torch.Tensor, fn: Callable[[torch.Tensor], ob
         x[rows] = sub
 
 
-def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> None:
-    """Divide each row by its temperature; greedy rows are divided by 1."""
-    t = torch.where(is_greedy(temperature), torch.ones_like(temperature), temperature)
-    logits.div_(t.unsqueeze(1))
+def temperature_divisor(temperature: torch.Tensor) -> torch.Tensor:
+    """[n] temperatures -> [n, 1] what each row's logits are divided by (greedy rows: 1)."""
+    return torch.where(is_greedy(temperature), torch.ones_like(temperature), temperature)[:, None]
+
+
+def divided(x: torch.Tensor, divisor: torch.Tensor | None) -> torch.Tensor:
+    """x ([r, w]) / divisor ([r, 1]) in place; x itself when divisor is None."""
+    return x if divisor is None else x.div_(divisor)
 
 
 def mask_below(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
@@ -72,15 +81,20 @@ def mask_below(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     return torch.where(x < threshold, x.new_tensor(_NEG_INF), x, out=x)
 
 
-def compute_cutoffs(logits: torch.Tensor, f: Filters) -> Cutoffs:
-    """logits: [n, vocab] after temperature -> each row's threshold and small kept sets."""
+def compute_cutoffs(
+    logits: torch.Tensor, f: Filters, divisor: torch.Tensor | None = None
+) -> Cutoffs:
+    """logits: [n, vocab] before temperature, divisor: [n, 1] (None: no temperature) -> each
+    row's threshold and small kept sets, on the scale of the divided logits."""
     n, vocab = logits.shape
     threshold = logits.new_full((n, 1), _NEG_INF)
     x = rows_of(logits, f.rows)
+    d = None if divisor is None else rows_of(divisor, f.rows)  # [r, 1]
     values, ids = topk(x, min(vocab, max(SMALL + 1, f.max_top_k)))  # [r, W] descending
+    values = divided(values, d)
     thr = _min_p_top_k(values, f)
     if f.any_top_p:
-        thr = torch.maximum(thr, _top_p(x, values, thr, f.top_p))
+        thr = torch.maximum(thr, _top_p(x, d, values, thr, f.top_p))
     threshold[f.rows] = thr
     return _small_sets(threshold, f.rows, values, ids, thr)
 
@@ -94,9 +108,14 @@ def _min_p_top_k(values: torch.Tensor, f: Filters) -> torch.Tensor:
 
 
 def _top_p(
-    x: torch.Tensor, values: torch.Tensor, thr: torch.Tensor, p: torch.Tensor
+    x: torch.Tensor,
+    divisor: torch.Tensor | None,
+    values: torch.Tensor,
+    thr: torch.Tensor,
+    p: torch.Tensor,
 ) -> torch.Tensor:
-    """Top-p threshold [r, 1] over what `thr` keeps; -inf for rows with p = 1."""
+    """Top-p threshold [r, 1] over what `thr` keeps; -inf for rows with p = 1. x: [r, vocab]
+    before temperature, divisor: [r, 1]; values: x's window, divided."""
     out = torch.full_like(thr, _NEG_INF)
     on = torch.nonzero(p < 1.0).squeeze(1)
     if not on.numel():
@@ -106,7 +125,11 @@ def _top_p(
     spill = torch.nonzero(window[:, -1] > _NEG_INF).squeeze(1)  # kept set may pass the window
     if window.shape[1] == x.shape[1]:
         spill = spill[:0]
-    full = mask_below(x[on[spill]], thr[on[spill]]) if spill.numel() else None
+    full = None
+    if spill.numel():
+        spilled = on[spill]
+        d = None if divisor is None else divisor[spilled]
+        full = mask_below(divided(x[spilled], d), thr[spilled])
     if full is not None:
         lse[spill] = logsumexp_rows(full)
     found, last_kept, _ = _scan_prefix(window, lse, p[on], complete=False)

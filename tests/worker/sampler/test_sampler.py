@@ -22,7 +22,7 @@ from services.worker.sampler.metadata import SamplingMetadata
 from services.worker.sampler.penalties import apply_penalties
 from services.worker.sampler.random import position_uniforms
 from services.worker.sampler.sampler import apply_logit_processors
-from services.worker.sampler.topk_topp import apply_temperature, compute_cutoffs, mask_below
+from services.worker.sampler.topk_topp import compute_cutoffs, mask_below, temperature_divisor
 from services.worker.sampling_metadata import build_sampling_metadata
 from shared.sampling_params import LOGPROBS_MODES, SamplingParams
 
@@ -217,10 +217,12 @@ def processed(reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
 def apply_filters(x: torch.Tensor, meta: SamplingMetadata) -> None:
     """The sampler's temperature and filters, with every row masked in full (as its processed
     logprobs snapshot is; sampling itself skips the full masking for small kept sets)."""
-    if meta.needs_temperature:
-        apply_temperature(x, meta.temperature)
-    if meta.filters is not None:
-        mask_below(x, compute_cutoffs(x, meta.filters).threshold)
+    divisor = temperature_divisor(meta.temperature) if meta.needs_temperature else None
+    cut = None if meta.filters is None else compute_cutoffs(x, meta.filters, divisor)
+    if divisor is not None:
+        x.div_(divisor)
+    if cut is not None:
+        mask_below(x, cut.threshold)
 
 
 def near_tie_at_top(x: torch.Tensor) -> bool:
@@ -280,6 +282,29 @@ def test_filters_match_reference(batch):
         want, ambiguous = ref_filters(before[i].double(), req.params)
         if not ambiguous and torch.isfinite(want).any():
             assert_same_logits(x[i], want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch_st())
+def test_cutoffs_before_temperature_equal_cutoffs_after(batch):
+    """Cutoffs taken before the division by the temperature are bit for bit those of the
+    divided logits: same thresholds, same small kept sets (their -inf padding may differ)."""
+    reqs, logits = batch
+    meta = make_metadata(reqs, logits.shape[1])
+    if meta.filters is None:
+        return
+    x = processed(reqs, logits).float()
+    divisor = temperature_divisor(meta.temperature)
+    lazy = compute_cutoffs(x, meta.filters, divisor)
+    eager = compute_cutoffs(x / divisor, meta.filters)
+    assert torch.equal(lazy.threshold, eager.threshold)
+    assert (lazy.small is None) == (eager.small is None)
+    if lazy.small is not None and eager.small is not None:
+        assert torch.equal(lazy.small.rows, eager.small.rows)
+        kept, kept_eager = lazy.small.values.isfinite(), eager.small.values.isfinite()
+        assert torch.equal(kept.sum(dim=1), kept_eager.sum(dim=1))
+        assert torch.equal(lazy.small.values[kept], eager.small.values[kept_eager])
+        assert torch.equal(lazy.small.ids[kept], eager.small.ids[kept_eager])
 
 
 @settings(max_examples=60, deadline=None)
