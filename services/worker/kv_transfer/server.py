@@ -177,9 +177,9 @@ class TransferServer:
                 if not started:
                     conn.sendall(FRAME.pack(OK, 0, 0))
                     started = True
-                self._send_block(conn, data, checksum(data))
-                with self._lock:
+                with self._lock:  # counted first: a client never holds bytes not yet counted
                     self._bytes_served += data.nbytes
+                self._send_block(conn, data, checksum(data))
         except _Refusal as exc:
             _send_message(conn, exc.kind, str(exc))
             return
