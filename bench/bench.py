@@ -181,7 +181,8 @@ def main() -> None:
     print(
         f"machine: {machine['cpu']}, fp32 GEMM {machine['fp32_gemm_gflops']:.0f} GFLOP/s "
         f"(torch), {'n/a' if linear is None else f'{linear:.0f}'} GFLOP/s (skiff_cpu::linear, "
-        f"256 x 1024 x 1024), copy bandwidth {machine['copy_bandwidth_gbs']:.1f} GB/s, "
+        f"{machine['kernels_isa']}, 256 x 1024 x 1024), "
+        f"copy bandwidth {machine['copy_bandwidth_gbs']:.1f} GB/s, "
         f"read bandwidth {machine['read_bandwidth_gbs']:.1f} GB/s, "
         f"load average {machine['load_average_1m']:.1f}"
     )

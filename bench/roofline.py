@@ -50,6 +50,13 @@ def gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / t / 1e9
 
 
+def kernels_isa() -> str | None:
+    """The instruction set the C++ CPU ops run with here (None: they do not run here)."""
+    from kernels import cpu_ops
+
+    return cpu_ops.isa() if cpu_ops.load() else None
+
+
 def cpu_linear_gflops(tokens: int = 256, n: int = 1024, repeats: int = 5) -> float | None:
     """fp32 `skiff_cpu::linear` of [tokens, n] x [n, n] (None: the C++ ops do not run here)."""
     from kernels import cpu_ops
@@ -80,6 +87,7 @@ def measure() -> dict[str, object]:
     """Everything above, plus the 1-minute load average (others' work on a shared machine)."""
     return {
         "cpu": cpu_summary(),
+        "kernels_isa": kernels_isa(),
         "load_average_1m": os.getloadavg()[0],
         "torch_threads": torch.get_num_threads(),
         "fp32_gemm_gflops": gemm_gflops(),
