@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import torch
 
+from services.worker.sampler.flat import flat_ids
 from services.worker.sampler.metadata import Penalties
 
 _NOT_OUTPUT = 2**62  # sorts after every token id and matches none
 
 
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
-    rows = pen.rows.unsqueeze(1)  # [r, 1]
     ids = pen.token_ids  # [r, max_len]
-    x = logits[rows, ids]  # [r, max_len]
+    flat = flat_ids(pen.rows, ids, logits.shape[1])
+    x = logits.take(flat)  # [r, max_len]
     counts = output_counts(ids, pen.is_output).to(x.dtype)
     rep = pen.repetition.unsqueeze(1)
     x = torch.where(x > 0, x / rep, x * rep)
     x = x - pen.frequency.unsqueeze(1) * counts - pen.presence.unsqueeze(1) * (counts > 0)
-    logits[rows, ids] = x
+    logits.put_(flat, x)
 
 
 def output_counts(ids: torch.Tensor, is_output: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from services.worker.sampler.flat import flat_ids
 from services.worker.sampler.metadata import Allowed, BadWords, GrammarMask, TokenBias, TokenRows
 from services.worker.sampler.topk_topp import on_rows
 
@@ -39,13 +40,14 @@ def apply_bad_words(logits: torch.Tensor, bad: BadWords) -> None:
 
 def ban_tokens(logits: torch.Tensor, ban: TokenRows) -> None:
     """-inf at each row's listed ids (min_tokens: stop ids and EOS until reached)."""
-    logits[ban.rows.unsqueeze(1), ban.token_ids] = _NEG_INF
+    flat = flat_ids(ban.rows, ban.token_ids, logits.shape[1])
+    logits.put_(flat, _neg_inf(logits).expand(flat.shape))
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: TokenBias) -> None:
     """Add each row's bias to its listed ids (padding adds 0)."""
-    rows = bias.rows.unsqueeze(1).expand_as(bias.token_ids)
-    logits.index_put_((rows, bias.token_ids), bias.values, accumulate=True)
+    flat = flat_ids(bias.rows, bias.token_ids, logits.shape[1])
+    logits.put_(flat, bias.values, accumulate=True)
 
 
 def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask, buffer: torch.Tensor) -> None:
