@@ -10,27 +10,56 @@ torch.argmax does.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 _BLOCK = 64
 
 
-def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [r, vocab] -> (values, ids) [r, k], descending, like x.topk(k, dim=1)."""
+@dataclass
+class Candidates:
+    """Each row's `num_blocks` blocks with the largest maxima, in that order, then its tail."""
+
+    values: torch.Tensor  # [r, c]
+    blocks: torch.Tensor | None  # [r, b] their block ids; None: values is the whole row
+    full: int  # tokens in whole blocks: the tail starts here
+    floor: torch.Tensor  # [r, 1] every value outside `values` is <= floor (-inf: none is)
+
+    def token_ids(self, picked: torch.Tensor) -> torch.Tensor:
+        """[r, m] positions in `values` -> [r, m] token ids."""
+        if self.blocks is None:
+            return picked
+        b = self.blocks.shape[1]
+        block = self.blocks.gather(1, (picked // _BLOCK).clamp_(max=b - 1))
+        in_blocks = picked < b * _BLOCK
+        return torch.where(
+            in_blocks, block * _BLOCK + picked % _BLOCK, picked - b * _BLOCK + self.full
+        )
+
+
+def candidates(x: torch.Tensor, num_blocks: int) -> Candidates:
+    """x: [r, vocab] -> its num_blocks blocks with the largest maxima: they hold the row's
+    num_blocks largest values and every value above `floor` (the smallest chosen maximum).
+    The whole row on a GPU or when the blocks would cover more than a quarter of it."""
     vocab = x.shape[1]
-    if x.is_cuda or 4 * k * _BLOCK > vocab:
-        return x.topk(k, dim=1)
+    if x.is_cuda or 4 * num_blocks * _BLOCK > vocab:
+        return Candidates(x, None, vocab, x.new_full((len(x), 1), -math.inf))
     full = vocab - vocab % _BLOCK
     maxima = torch.unflatten(x[:, :full], 1, (-1, _BLOCK)).amax(dim=2)  # [r, full / BLOCK]
-    blocks = maxima.topk(k, dim=1).indices  # [r, k]
-    values, picked = _candidates(x, blocks, full).topk(k, dim=1)  # [r, k]
-    in_blocks = picked < k * _BLOCK
-    block = blocks.gather(1, (picked // _BLOCK).clamp_(max=k - 1))
-    ids = torch.where(in_blocks, block * _BLOCK + picked % _BLOCK, picked - k * _BLOCK + full)
-    return values, ids
+    top = maxima.topk(num_blocks, dim=1)  # [r, num_blocks]
+    return Candidates(_gather_blocks(x, top.indices, full), top.indices, full, top.values[:, -1:])
 
 
-def _candidates(x: torch.Tensor, blocks: torch.Tensor, full: int) -> torch.Tensor:
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [r, vocab] -> (values, ids) [r, k], descending, like x.topk(k, dim=1)."""
+    c = candidates(x, k)
+    values, picked = c.values.topk(k, dim=1)  # [r, k]
+    return values, c.token_ids(picked)
+
+
+def _gather_blocks(x: torch.Tensor, blocks: torch.Tensor, full: int) -> torch.Tensor:
     """[r, k * BLOCK + vocab - full]: each row's `blocks` ([r, k]) in order, then its tail.
 
     The blocks are rows of a view of every BLOCK-long window of x; `index_select` copies them

@@ -1,12 +1,14 @@
 """Logprobs of sampled tokens: the sampled token's value and 1-based rank plus the top-k.
 
-Values come from a snapshot of the logits at the requested stage (raw or processed), taken
-before the sampler changes them in place. `*_logprobs` modes subtract the row's logsumexp,
+Values come from the logits at the requested stage: raw (the sampler's input, left untouched
+for them) or processed (a snapshot). `*_logprobs` modes subtract the row's logsumexp,
 `*_logits` modes report the logits themselves. The rank counts tokens whose value is >= the
 sampled token's (vLLM's rule), so ties share the worse rank.
 
-The logsumexp is computed last, in place over the values (no [rows, vocab] temporary): the
-values are spent by then.
+Both come from the 16 blocks (block_topk) with the largest maxima: the top values, and the
+rank of any token above the smallest of those maxima (nothing outside the blocks can count);
+other ranks take a pass over the row. The logsumexp is computed last, in place over the values
+(no [rows, vocab] temporary): the values are spent by then.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.sampler.block_topk import topk
+from services.worker.sampler.block_topk import Candidates, candidates, topk
 
-_RANK_WINDOW = 64
+_RANK_BLOCKS = 16  # blocks of 64 tokens searched for the top values and the sampled token's rank
+_TIE_WINDOW = 64
 
 
 @dataclass
@@ -34,17 +37,32 @@ def top_logprobs(
     """values: [r, vocab] fp32 logits, overwritten; token_ids: [r], as_logprobs: [r] bool ->
     TopLogprobs."""
     num_top = min(num_top, values.shape[1])
-    width = min(values.shape[1], max(num_top, _RANK_WINDOW))  # 64: ranks come free for most tokens
-    window, window_ids = topk(values, width)  # [r, width] descending
-    top_values, top_ids = window[:, :num_top], window_ids[:, :num_top]
+    cand = candidates(values, max(num_top + 1, _RANK_BLOCKS))
+    head, head_ids = _head(values, cand, num_top)  # [r, <= num_top + 1] descending
     chosen = values.gather(1, token_ids.unsqueeze(1))  # [r, 1]
-    out = torch.cat((chosen, top_values), dim=1)  # [r, 1 + k]
-    ids = torch.cat((token_ids.unsqueeze(1), top_ids), dim=1)
-    ranks = _ranks(values, window, chosen)
+    out = torch.cat((chosen, head[:, :num_top]), dim=1)  # [r, 1 + k]
+    ids = torch.cat((token_ids.unsqueeze(1), head_ids[:, :num_top]), dim=1)
+    ranks = _ranks(values, cand, chosen)
     if bool(as_logprobs.any()):
-        lse = logsumexp_(values, window[:, :1])
+        lse = logsumexp_(values, head[:, :1])
         out = out - torch.where(as_logprobs.unsqueeze(1), lse, torch.zeros_like(lse))
     return TopLogprobs(ids, out, ranks)
+
+
+def _head(
+    values: torch.Tensor, cand: Candidates, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The num_top + 1 largest values ([r, <= num_top + 1], descending) and their ids.
+
+    Without ties among them, the first num_top ids are the only possible ones; rows with a tie
+    take theirs from a window of max(num_top, 64), the tie order these ids always had."""
+    head, picked = cand.values.topk(min(num_top + 1, cand.values.shape[1]), dim=1)
+    ids = cand.token_ids(picked)
+    tied = torch.nonzero(~(head[:, 1:] < head[:, :-1]).all(dim=1)).squeeze(1)  # NaN counts too
+    if tied.numel() and num_top:
+        width = min(values.shape[1], max(num_top, _TIE_WINDOW))
+        ids[tied, :num_top] = topk(values[tied], width)[1][:, :num_top]
+    return head, ids
 
 
 def logsumexp_(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
@@ -55,13 +73,11 @@ def logsumexp_(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     return x.sub_(top).exp_().sum(dim=1, keepdim=True).log_().add_(top)
 
 
-def _ranks(values: torch.Tensor, window: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """[r] count of values >= chosen: from the topk window when the token lies strictly
-    inside it, else by a pass over the row."""
-    ranks = (window >= chosen).sum(dim=1)
-    if window.shape[1] == values.shape[1]:
-        return ranks
-    outside = torch.nonzero(chosen[:, 0] <= window[:, -1]).squeeze(1)
+def _ranks(values: torch.Tensor, cand: Candidates, chosen: torch.Tensor) -> torch.Tensor:
+    """[r] count of values >= chosen: among the candidates when chosen is above their floor
+    (nothing outside them can count), else by a pass over the row."""
+    ranks = (cand.values >= chosen).sum(dim=1)
+    outside = torch.nonzero(~(chosen[:, 0] > cand.floor[:, 0])).squeeze(1)
     if outside.numel():
         ge = values[outside] >= chosen[outside]
         ranks[outside] = ge.view(torch.uint8).sum(dim=1, dtype=torch.int32).long()

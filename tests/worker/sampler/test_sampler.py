@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.sampler import Sampler, block_topk
+from services.worker.sampler.logprobs import top_logprobs
 from services.worker.sampler.metadata import SamplingMetadata
 from services.worker.sampler.penalties import apply_penalties
 from services.worker.sampler.random import position_uniforms
@@ -441,6 +442,37 @@ def test_block_topk_and_argmax_match_torch(vocab, strided):
         assert torch.equal(values, x.topk(k, dim=1).values)
         assert torch.equal(x.gather(1, ids), values)
         assert all(len(set(row)) == k for row in ids.tolist())
+
+
+@pytest.mark.parametrize("vocab", [300, 5000, 49152, 49155])
+def test_top_logprobs_match_a_full_pass(vocab):
+    """Top values, their ids and the chosen token's rank, against a full pass over each row:
+    ids as torch.topk gives them where the top values and the next one are distinct, and
+    where some tie, the ids of the 64-wide block_topk window (the tie order top logprobs
+    always had)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(40, vocab, generator=g) * 3
+    x[:10] = (x[:10] * 2).round()  # ties in the top values
+    x[10, :] = 0.5  # all tied
+    x[11, 7] = x[11].max() + 1  # a tie below a unique maximum
+    x[11, 9] = x[11, 7]
+    token_ids = torch.randint(0, vocab, (40,), generator=g)
+    token_ids[20:30] = x[20:30].topk(20, dim=1).indices[:, 19]  # rank 20: past 16 blocks' floor?
+    token_ids[30:] = x[30:].argmax(dim=1)
+    as_logprobs = torch.arange(40) % 2 == 0
+    for num_top in (0, 1, 5, 20):
+        got = top_logprobs(x.clone(), token_ids, num_top, as_logprobs)
+        chosen = x.gather(1, token_ids.unsqueeze(1))
+        lse = torch.where(as_logprobs.unsqueeze(1), x.logsumexp(dim=1, keepdim=True), 0.0)
+        top = x.topk(num_top, dim=1)
+        assert torch.equal(got.ranks, (x >= chosen).sum(dim=1))
+        assert torch.equal(got.values, torch.cat((chosen, top.values), dim=1) - lse)
+        assert torch.equal(got.token_ids[:, 0], token_ids)
+        head = x.topk(num_top + 1, dim=1).values  # the top num_top and the next value
+        distinct = (head[:, 1:] < head[:, :-1]).all(dim=1)
+        window_ids = block_topk.topk(x, min(vocab, max(num_top, 64)))[1][:, :num_top]
+        want = torch.where(distinct.unsqueeze(1), top.indices, window_ids)
+        assert torch.equal(got.token_ids[:, 1:], want)
 
 
 # ---- seeds --------------------------------------------------------------------------------
