@@ -1,9 +1,10 @@
 """Row chunks for full-vocabulary temporaries on CPU.
 
 A [256, 49152] fp32 temporary is 50 MB: glibc serves it with a fresh mmap, page faults and all,
-every time, and it falls out of cache. Reductions that allocate such temporaries (logsumexp,
-compare-and-count) run 3-6x faster over ~8 MB of rows at a time, whose temporaries come back
-from the heap. On a GPU there is one chunk.
+every time, and it falls out of cache. Reductions that allocate such temporaries (logsumexp of
+rows the caller still needs) run 3-6x faster over ~8 MB of rows at a time, whose temporaries
+come back from the heap. On a GPU there is one chunk. (Where the rows may be overwritten, an
+in-place pass over all of them is faster still: see logprobs.logsumexp_.)
 """
 
 from __future__ import annotations
