@@ -225,7 +225,7 @@ class CorruptingServer(TransferServer):
     """Flips one bit of block 1's payload after its checksum was taken."""
 
     def _send_block(self, conn: socket.socket, data: memoryview, digest: int) -> None:
-        if self.bytes_served == data.nbytes:  # the second block of a fresh server
+        if self.bytes_served == 2 * data.nbytes:  # the second block (counted before it is sent)
             bad = bytearray(data)
             bad[len(bad) // 2] ^= 0x10
             data = memoryview(bad)
