@@ -3,6 +3,9 @@
 - `linear(x, weight, bias, weight_scale)`: `x @ weight^T + bias` that streams the weight
   (fp32, bf16 or group-scaled int8) at close to the memory bandwidth: a decode step
   multiplies a few token rows by every matrix;
+- `linear_packed(x, packed, out_features, bias)`: the same for fp32 weights packed in panels
+  (`pack_panels`), a register-tiled kernel that also runs prefill chunks near the CPU's FMA
+  peak; `linear_choice` says for each weight shape which of the two runs it;
 - `decode_layer(...)`: a whole decoder layer of a decode-only step in one call
   (`services/worker/cpu_decode.py`);
 - `paged_attention(...)`: a step's tokens against the paged cache
@@ -20,14 +23,19 @@ CPU path keeps torch's own ops.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
+import statistics
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 
 from shared.default_model import cache_root
 
@@ -104,3 +112,104 @@ def _build_and_load() -> bool:
         log.warning("CPU ops unavailable, using torch's: %s", exc)
         return False
     return True
+
+
+PANEL = 16  # output features per panel: kPanel in kernels/csrc/cpu_kernels.h
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 weight [N, K] -> panels [ceil(N / 16), K, 16] for `linear_packed`: panel p holds
+    outputs [16 p, 16 p + 16) side by side for each k, zero past N."""
+    n, k = weight.shape
+    padded = F.pad(weight.detach().float(), (0, 0, 0, -n % PANEL))  # [16 P, K]
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_panels(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """panels [P, K, 16] -> the weight [out_features, K] they were packed from."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
+
+
+# The linear kernel of each weight shape, by "cpu model | isa | N x K": "panels" or "rows".
+# The same for every M (a row's bits must not depend on its batch), so it is chosen once per
+# shape, by timing both at a decode step (M = 1) and a prefill chunk (M = 64).
+_CHOICE_ROWS = (1, 64)
+_choices: dict[str, str] | None = None
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown cpu"
+
+
+def _choice_file() -> Path:
+    return build_dir() / "linear-choice.json"
+
+
+def times_us(fn: Callable[[], object], repeats: int) -> list[float]:
+    """µs of each of `repeats` calls of `fn`, after one that warms the caches."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return times
+
+
+def time_kernels(
+    n: int,
+    k: int,
+    rows: int,
+    repeats: int = 9,
+    summary: Callable[[list[float]], float] = min,
+    weight: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+    x: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """µs of x [rows, k] @ weight [n, k]^T (random where not given) with each kernel: the
+    `summary` of `repeats` calls (the least by default: other processes only add time)."""
+    w = torch.randn(n, k) if weight is None else weight
+    p = pack_panels(w) if packed is None else packed
+    xs = torch.randn(rows, k) if x is None else x
+    return {
+        "rows": summary(times_us(lambda: torch.ops.skiff_cpu.linear(xs, w, None, None), repeats)),
+        "panels": summary(
+            times_us(lambda: torch.ops.skiff_cpu.linear_packed(xs, p, n, None), repeats)
+        ),
+    }
+
+
+def linear_choice(n: int, k: int) -> str:
+    """The kernel for fp32 weights of shape [n, k]: "panels" or "rows" (k % 16 != 0 leaves
+    only panels). Timed on first asking for this CPU, instruction set and shape, then read
+    from `linear-choice.json` in the build folder."""
+    global _choices
+    if k % 16 != 0:
+        return "panels"
+    key = f"{cpu_model()} | {isa()} | {n}x{k}"
+    path = _choice_file()
+    with _lock:
+        if _choices is None:
+            try:
+                _choices = dict(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                _choices = {}
+        if key not in _choices:
+            ratios = []
+            for rows in _CHOICE_ROWS:
+                t = time_kernels(n, k, rows)
+                ratios.append(t["panels"] / t["rows"])
+            _choices[key] = "panels" if statistics.fmean(ratios) < 1 else "rows"
+            log.info("linear %s: %s (panels / rows time at M = %s: %s)", key, _choices[key],
+                     _CHOICE_ROWS, ", ".join(f"{r:.2f}" for r in ratios))  # fmt: skip
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(_choices, indent=1, sort_keys=True))
+            tmp.replace(path)
+        return _choices[key]

@@ -3,6 +3,13 @@
 // - linear(x, weight, bias, weight_scale): x @ weight^T + bias, streaming the weight (a
 //   decode step multiplies a few token rows by every matrix, so the step is bound by reading
 //   weights); the weight is fp32, bf16, or int8 with fp32 scales per group of 32 weights;
+// - linear_packed(x, packed, out_features, bias): the same with fp32 weights packed in panels
+//   of 16 output features ([ceil(N / 16), K, 16], kernels/cpu_ops.py pack_panels): a register
+//   tile of token rows x panels takes each weight once per tile and no horizontal sums, which
+//   makes prefill chunks (M = 8..512) run near the FMA peak. Either kernel computes each
+//   output with one fixed order of its sum over k for every M, every place of the row in the
+//   batch and every tile, so a token's bits do not depend on its batch; a weight runs one
+//   kernel for all M (cpu_ops.py linear_choice), in this op and in decode_layer alike;
 // - decode_layer(...): one decoder layer of a decode-only step (one query token per
 //   request) in a single call: residual add + RMSNorm, QKV projection (+ bias, q/k norm),
 //   rotary, KV-cache write, paged attention read straight from the cache through the block
@@ -31,6 +38,7 @@
 namespace {
 
 using skiff_cpu::kLinearRowBlock;
+using skiff_cpu::kPanel;
 using skiff_cpu::WeightFormat;
 
 constexpr int64_t kTokensPerChunk = 64;  // rows of x kept in cache while the weight streams
@@ -39,29 +47,41 @@ bool is_fp32_cpu(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat;
 }
 
-// A [N, K] weight matrix as the kernels read it; nullopt where they cannot.
+// A weight matrix [N, K] as the kernels read it: row-major (`linear_rows`) or fp32 panels
+// (`linear_panels`); nullopt where they cannot.
 struct Weight {
   const void* data;
   WeightFormat format;
   const float* scale;  // [N, K / kInt8Group], int8 only
+  bool panels;         // [ceil(N / kPanel), K, kPanel] fp32 (pack_panels in kernels/cpu_ops.py)
 };
 
-std::optional<Weight> as_weight(const at::Tensor& w, const std::optional<at::Tensor>& scale) {
-  if (!w.device().is_cpu() || w.dim() != 2 || !w.is_contiguous() || w.size(1) % 16 != 0)
-    return std::nullopt;
+// `w` packed in panels for N outputs.
+bool is_panels(const at::Tensor& w, int64_t N) {
+  return is_fp32_cpu(w) && w.dim() == 3 && w.is_contiguous() && w.size(2) == kPanel &&
+         w.size(0) == (N + kPanel - 1) / kPanel;
+}
+
+std::optional<Weight> as_weight(const at::Tensor& w, const std::optional<at::Tensor>& scale,
+                                int64_t N) {
   const bool has_scale = scale.has_value() && scale->defined();
+  if (is_panels(w, N) && !has_scale)
+    return Weight{w.data_ptr(), WeightFormat::kFloat32, nullptr, true};
+  if (!w.device().is_cpu() || w.dim() != 2 || !w.is_contiguous() || w.size(1) % 16 != 0 ||
+      w.size(0) != N)
+    return std::nullopt;
   switch (w.scalar_type()) {
     case at::kFloat:
-      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kFloat32, nullptr};
+      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kFloat32, nullptr, false};
       break;
     case at::kBFloat16:
-      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kBFloat16, nullptr};
+      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kBFloat16, nullptr, false};
       break;
     case at::kChar:
       if (has_scale && is_fp32_cpu(*scale) && scale->is_contiguous() && scale->dim() == 2 &&
           w.size(1) % skiff_cpu::kInt8Group == 0 && scale->size(0) == w.size(0) &&
           scale->size(1) == w.size(1) / skiff_cpu::kInt8Group)
-        return Weight{w.data_ptr(), WeightFormat::kInt8, scale->data_ptr<float>()};
+        return Weight{w.data_ptr(), WeightFormat::kInt8, scale->data_ptr<float>(), false};
       break;
     default:
       break;
@@ -77,8 +97,17 @@ at::Tensor dequantized(const at::Tensor& w, const std::optional<at::Tensor>& sca
   return (groups * scale->unsqueeze(2)).view_as(w);
 }
 
-// y [M, N] = x [M, K] @ w [N, K]^T; x and y contiguous fp32.
+// y [M, N] = x [M, K] @ w [N, K]^T; x and y contiguous fp32. Panels: the threads split
+// the panels, each runs all M rows; rows: chunks of M, the threads split the weight rows.
 void linear_into(const float* x, const Weight& w, float* y, int64_t M, int64_t K, int64_t N) {
+  if (w.panels) {
+    const auto* packed = static_cast<const float*>(w.data);
+    at::parallel_for(0, (N + skiff_cpu::kPanel - 1) / skiff_cpu::kPanel, 1,
+                     [&](int64_t begin, int64_t end) {
+                       skiff_cpu::kernels().linear_panels(x, packed, y, M, K, N, begin, end);
+                     });
+    return;
+  }
   const int64_t blocks = N / kLinearRowBlock;
   for (int64_t m = 0; m < M; m += kTokensPerChunk) {
     const int64_t rows = std::min(kTokensPerChunk, M - m);
@@ -95,7 +124,7 @@ void linear_into(const float* x, const Weight& w, float* y, int64_t M, int64_t K
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& weight_scale) {
-  const auto w = as_weight(weight, weight_scale);
+  const auto w = as_weight(weight, weight_scale, weight.size(0));
   if (!*skiff_cpu::isa() || !w || !is_fp32_cpu(x) || x.dim() < 1 ||
       x.size(-1) != weight.size(1) || x.numel() == 0) {
     if (weight.scalar_type() == x.scalar_type() && !(weight_scale && weight_scale->defined()))
@@ -112,16 +141,34 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
   return y.view(out_shape);
 }
 
-// [B, N] = x [B, K] @ weight^T, with the checks of decode_layer.
+// linear with fp32 weights packed in panels ([ceil(N / kPanel), K, kPanel]) for N outputs.
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(*skiff_cpu::isa(), "linear_packed needs AVX2 or AVX-512");
+  TORCH_CHECK(is_panels(packed, out_features) && is_fp32_cpu(x) && x.dim() >= 1 &&
+                  x.size(-1) == packed.size(1),
+              "linear_packed: fp32 x [..., K] and panels [ceil(N / 16), K, 16]");
+  const int64_t K = packed.size(1), N = out_features;
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();  // [M, K]
+  at::Tensor y = at::empty({x2.size(0), N}, x.options());  // [M, N]
+  if (x2.size(0) > 0)
+    linear_into(x2.data_ptr<float>(), *as_weight(packed, std::nullopt, N), y.data_ptr<float>(),
+                x2.size(0), K, N);
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  return y.view(out_shape);
+}
+
+// [B, N] = x [B, K] @ weight^T (weight [N, K], or its panels), with the checks of decode_layer.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
-                   const std::optional<at::Tensor>& scale) {
-  const auto w = as_weight(weight, scale);
+                   const std::optional<at::Tensor>& scale, int64_t N) {
+  const auto w = as_weight(weight, scale, N);
   TORCH_CHECK(w.has_value(), "decode_layer: weights are contiguous fp32, bf16 or int8 + scale, "
-              "with input dims in multiples of 16");
+              "with input dims in multiples of 16, or fp32 panels");
   TORCH_CHECK(weight.size(1) == x.size(1), "decode_layer: a weight does not match its input");
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  linear_into(x.data_ptr<float>(), *w, y.data_ptr<float>(), x.size(0), x.size(1),
-              weight.size(0));
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  linear_into(x.data_ptr<float>(), *w, y.data_ptr<float>(), x.size(0), x.size(1), N);
   return y;
 }
 
@@ -283,7 +330,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& hidden,      // [B, H]
     const at::Tensor& residual,    // [B, H]
     const at::Tensor& input_norm,  // [H]
-    const at::Tensor& qkv_weight,  // [(heads + 2 kv_heads) * head_dim, H]
+    const at::Tensor& qkv_weight,  // [(heads + 2 kv_heads) * head_dim, H] (or its panels)
     const std::optional<at::Tensor>& qkv_bias,
     const std::optional<at::Tensor>& q_norm,  // [head_dim]
     const std::optional<at::Tensor>& k_norm,  // [head_dim]
@@ -296,7 +343,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& o_weight,      // [H, heads * head_dim]
     const at::Tensor& post_norm,     // [H]
     const at::Tensor& gate_up_weight,  // [2 I, H]
-    const at::Tensor& down_weight,     // [H, I]
+    const at::Tensor& down_weight,     // [H, I]: each of the four [N, K] or its panels
     const std::optional<at::Tensor>& qkv_scale,  // int8 weights' group scales
     const std::optional<at::Tensor>& o_scale,
     const std::optional<at::Tensor>& gate_up_scale,
@@ -315,12 +362,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const int64_t num_kv_heads = key_cache.size(1), head_dim = key_cache.size(2);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t rot_dim = cos_sin.size(1);
-  TORCH_CHECK(qkv_weight.size(0) == q_size + 2 * kv_size && rot_dim <= head_dim,
-              "decode_layer: QKV weight or rotary size does not match the heads");
+  TORCH_CHECK(rot_dim <= head_dim, "decode_layer: rotary size exceeds head_dim");
+  const int64_t H = hidden.size(1), I = down_weight.size(1);
 
   // Residual add, RMSNorm, QKV projection.
   auto [normed, x] = rms_norm(hidden, input_norm, eps, residual);
-  at::Tensor qkv = project(normed, qkv_weight, qkv_scale);  // [B, q + 2 kv]
+  at::Tensor qkv = project(normed, qkv_weight, qkv_scale, q_size + 2 * kv_size);  // [B, q + 2 kv]
   if (qkv_bias.has_value() && qkv_bias->defined()) qkv.add_(*qkv_bias);
 
   // Per-head q/k norm and rotary; the new keys and values into the cache.
@@ -354,10 +401,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
                static_cast<float>(scale), attn.data_ptr<float>());
 
   // Output projection, residual add, RMSNorm, MLP.
-  at::Tensor attn_out = project(attn, o_weight, o_scale);  // [B, H]
+  at::Tensor attn_out = project(attn, o_weight, o_scale, H);  // [B, H]
   auto [normed2, x2] = rms_norm(attn_out, post_norm, eps, x);
-  at::Tensor gate_up = project(normed2, gate_up_weight, gate_up_scale);  // [B, 2 I]
-  return {project(silu_and_mul(gate_up), down_weight, down_scale), x2};
+  at::Tensor gate_up = project(normed2, gate_up_weight, gate_up_scale, 2 * I);  // [B, 2 I]
+  return {project(silu_and_mul(gate_up), down_weight, down_scale, H), x2};
 }
 
 }  // namespace
@@ -369,6 +416,7 @@ TORCH_LIBRARY(skiff_cpu, m) {
   m.def(
       "linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? weight_scale=None) -> "
       "Tensor");
+  m.def("linear_packed(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
   m.def(
       "decode_layer(Tensor hidden, Tensor residual, Tensor input_norm, Tensor qkv_weight, "
       "Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, Tensor cos_sin, "
@@ -390,6 +438,7 @@ TORCH_LIBRARY(skiff_cpu, m) {
 
 TORCH_LIBRARY_IMPL(skiff_cpu, CPU, m) {
   m.impl("linear", &linear);
+  m.impl("linear_packed", &linear_packed);
   m.impl("decode_layer", &decode_layer);
   m.impl("paged_attention", &paged_attention);
   m.impl("rms_norm", &rms_norm);

@@ -62,6 +62,101 @@ void rows_of(const float* x, const T* w, const float* scale, float* y, int64_t M
   for (; n < n_end; ++n) weight_block<1, false>(x, w, scale, y, M, K, N, n);
 }
 
+// The panel kernel (linear_panels): a register tile of MR rows of x by NP panels holds
+// MR x NP kPanel accumulators; each step over k loads the panels' kPanel weights once and
+// broadcasts x[m, k] into them. No horizontal sums: each output's chain lies in one lane.
+constexpr int kPanelVecs = static_cast<int>(kPanel / W);  // vectors across a panel
+static_assert(kPanel % W == 0, "a panel is whole vectors");
+constexpr int64_t kPanelDepth = 256;            // k per block: a panel's block is 16 KB
+constexpr int64_t kPanelChunkBytes = 192 << 10;  // panel blocks kept in L2 while rows pass
+
+// Panels side by side in a tile of `rows` rows: as many as the registers hold (accumulators,
+// the weights of one k, one broadcast), at most 4.
+constexpr int panels_per_tile(int rows) {
+  const int n = (kVecRegisters - 1) / ((rows + 1) * kPanelVecs);
+  return n < 1 ? 1 : (n > 4 ? 4 : n);
+}
+
+// y[m, n0 + c] for m < MR, c < NP kPanel (clipped at N), over k in [k0, k1): from 0 when
+// k0 == 0, else continuing the chains stored in y (an fp32 store and load are exact).
+// x: row m at x + m K; w: the NP panels' rows at k0.
+template <int MR, int NP>
+inline void panel_tile(const float* x, const float* w, float* y, int64_t K, int64_t N,
+                       int64_t n0, int64_t k0, int64_t k1) {
+  constexpr int V = NP * kPanelVecs;
+  const int64_t cols = std::min<int64_t>(NP * kPanel, N - n0);
+  const int64_t panel_stride = K * kPanel;
+  alignas(64) float row[V * W];
+  Vec acc[MR][V];
+  for (int m = 0; m < MR; ++m) {
+    if (k0 == 0) {
+      for (int j = 0; j < V; ++j) acc[m][j] = vzero();
+    } else if (cols == NP * kPanel) {
+      for (int j = 0; j < V; ++j) acc[m][j] = vload(y + m * N + n0 + j * W);
+    } else {
+      std::fill(row, row + V * W, 0.0f);
+      std::copy_n(y + m * N + n0, cols, row);
+      for (int j = 0; j < V; ++j) acc[m][j] = vload(row + j * W);
+    }
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    Vec wv[V];
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < kPanelVecs; ++v)
+        wv[p * kPanelVecs + v] = vload(w + p * panel_stride + (k - k0) * kPanel + v * W);
+    for (int m = 0; m < MR; ++m) {
+      const Vec xv = vset1(x[m * K + k]);
+      for (int j = 0; j < V; ++j) acc[m][j] = vfmadd(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    if (cols == NP * kPanel) {
+      for (int j = 0; j < V; ++j) vstore(y + m * N + n0 + j * W, acc[m][j]);
+    } else {
+      for (int j = 0; j < V; ++j) vstore(row + j * W, acc[m][j]);
+      std::copy_n(row, cols, y + m * N + n0);
+    }
+  }
+}
+
+// Rows [0, MR) of x against panels [p_begin, p_end), k in [k0, k1): tiles of
+// panels_per_tile(MR) panels, then one at a time.
+template <int MR>
+void panel_rows(const float* x, const float* packed, float* y, int64_t K, int64_t N,
+                int64_t p_begin, int64_t p_end, int64_t k0, int64_t k1) {
+  constexpr int NP = panels_per_tile(MR);
+  auto at = [&](int64_t p) { return packed + p * K * kPanel + k0 * kPanel; };
+  int64_t p = p_begin;
+  for (; p + NP <= p_end; p += NP) panel_tile<MR, NP>(x, at(p), y, K, N, p * kPanel, k0, k1);
+  for (; p < p_end; ++p) panel_tile<MR, 1>(x, at(p), y, K, N, p * kPanel, k0, k1);
+}
+
+// panel_rows<1> .. panel_rows<kPanelRows>, by number of rows.
+template <size_t... I>
+constexpr auto panel_row_variants(std::index_sequence<I...>) {
+  return std::array{&panel_rows<static_cast<int>(I) + 1>...};
+}
+constexpr auto kPanelRowVariants =
+    panel_row_variants(std::make_index_sequence<static_cast<size_t>(kPanelRows)>{});
+
+// Blocks of panels whose k-blocks stay in L2; in each, k-blocks of kPanelDepth, in each, all
+// rows of x in tiles of kPanelRows (then the rest) against the block's panels.
+void linear_panels(const float* x, const float* packed, float* y, int64_t M, int64_t K,
+                   int64_t N, int64_t p_begin, int64_t p_end) {
+  const int64_t chunk =
+      std::max<int64_t>(1, kPanelChunkBytes / (kPanelDepth * kPanel * sizeof(float)));
+  for (int64_t p0 = p_begin; p0 < p_end; p0 += chunk) {
+    const int64_t p1 = std::min(p_end, p0 + chunk);
+    for (int64_t k0 = 0; k0 < K; k0 += kPanelDepth) {
+      const int64_t k1 = std::min(K, k0 + kPanelDepth);
+      for (int64_t m = 0; m < M; m += kPanelRows) {
+        const int64_t rows = std::min<int64_t>(kPanelRows, M - m);
+        kPanelRowVariants[rows - 1](x + m * K, packed, y + m * N, K, N, p0, p1, k0, k1);
+      }
+    }
+  }
+}
+
 float dot(const float* a, const float* b, int64_t n) {
   Vec acc = vzero();
   int64_t i = 0;
@@ -381,5 +476,5 @@ void silu_and_mul_row(const float* gate_up, float* out, int64_t dim) {
 
 }  // namespace
 
-const KernelTable kernel_table = {linear_rows, rms_norm_row, rotate_head,     attend,
-                                  attend_prefill, silu_and_mul_row};
+const KernelTable kernel_table = {linear_rows, linear_panels,  rms_norm_row,    rotate_head,
+                                  attend,      attend_prefill, silu_and_mul_row};

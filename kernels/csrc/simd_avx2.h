@@ -6,6 +6,8 @@ using Mask = __m256;  // all-ones lanes take part
 constexpr int64_t W = 8;
 constexpr int kTokensPerTile = 2;  // rows of x per linear register tile (16 registers)
 constexpr int kAccumulators = 8;   // vector accumulators a prefill tile may hold
+constexpr int kVecRegisters = 16;
+constexpr int kPanelRows = 6;      // rows of x per panel tile: 6 x 2 accumulators
 
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }

@@ -6,6 +6,8 @@ using Mask = __mmask16;  // lanes that take part
 constexpr int64_t W = 16;
 constexpr int kTokensPerTile = 4;  // rows of x per linear register tile
 constexpr int kAccumulators = 16;  // vector accumulators a prefill tile may hold
+constexpr int kVecRegisters = 32;
+constexpr int kPanelRows = 8;      // rows of x per panel tile: 8 x 3 accumulators
 
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }

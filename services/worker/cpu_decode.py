@@ -16,7 +16,7 @@ import torch
 from kernels import cpu_ops
 from services.worker.attention import AttentionMetadata
 from services.worker.models.decoder import DecoderForCausalLM, DecoderLayer
-from services.worker.models.layers import weight_scale
+from services.worker.models.layers import weight_panels, weight_scale
 
 
 class FusedCpuDecode:
@@ -73,11 +73,17 @@ _Args = tuple[torch.Tensor | None, ...]
 def _layer_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[_Args, _Args, _Args]:
     """A layer's arguments of `decode_layer`, looked up once (module attribute lookups cost
     microseconds, per layer and step): those before cos_sin, the key and value caches as
-    [num_slots, kv_heads, head_dim] views, and the weights after the step's tensors."""
+    [num_slots, kv_heads, head_dim] views, and the weights after the step's tensors: a
+    projection's panels where it has them (the kernel, hence the bits, `ops.linear` uses)."""
     attn, mlp = layer.self_attn, layer.mlp
+
+    def weight(module: torch.nn.Linear) -> torch.Tensor:
+        panels = weight_panels(module)
+        return module.weight if panels is None else panels
+
     pre = (
         layer.input_layernorm.weight,
-        attn.qkv_proj.weight,
+        weight(attn.qkv_proj),
         attn.qkv_proj.bias,
         attn.q_norm.weight if attn.qk_norm else None,
         attn.k_norm.weight if attn.qk_norm else None,
@@ -85,10 +91,10 @@ def _layer_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[_Args, _Ar
     slots = kv_cache.flatten(1, 2)  # [2, num_slots, kv_heads, head_dim]
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     post = (
-        attn.o_proj.weight,
+        weight(attn.o_proj),
         layer.post_attention_layernorm.weight,
-        mlp.gate_up_proj.weight,
-        mlp.down_proj.weight,
+        weight(mlp.gate_up_proj),
+        weight(mlp.down_proj),
         *(weight_scale(p) for p in projections),
     )
     return pre, (slots[0], slots[1]), post

@@ -29,7 +29,7 @@ from services.worker.sampler import prompt_logprobs as prompt_lp
 from services.worker.sampler.metadata import GrammarMask
 from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.step_timer import StepTimer
-from services.worker.weight_format import convert_weights
+from services.worker.weight_format import convert_weights, pack_panels
 from shared.arith import cdiv
 from shared.wire import BatchPlan, ModelRunnerOutput, TokenLogprobs
 
@@ -81,6 +81,8 @@ class ModelRunner:
             if not cpu_ops.load():
                 raise RuntimeError(f"--cpu-weights {config.cpu_weights} needs the C++ CPU ops")
             convert_weights(self.model, config.cpu_weights)
+        if self.device.type == "cpu" and cpu_ops.load():
+            pack_panels(self.model)
         # One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
         shape = (2, self.num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
         self.kv_caches = [

@@ -9,7 +9,8 @@ agreement for speed, because a CPU decode step is bound by reading the weights.
 
 Every projection and the LM head are converted (a tied LM head gets its own copy, the
 embedding lookup stays fp32); norms, activations and the KV cache stay fp32. The C++ ops
-(`kernels/cpu_ops.py`) read all three formats.
+(`kernels/cpu_ops.py`) read all three formats. fp32 projections whose shape runs faster so
+also get a copy packed in panels for the panel kernel (`pack_panels`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import cpu_ops
 from services.worker.config import CPU_WEIGHT_FORMATS
 from services.worker.models.decoder import DecoderForCausalLM
 
@@ -51,3 +53,21 @@ def convert_weights(model: DecoderForCausalLM, weight_format: str) -> None:
             q, scale = quantize_int8(weight)
             module.weight = nn.Parameter(q, requires_grad=False)
             module.register_buffer("weight_scale", scale)
+
+
+def pack_panels(model: nn.Module) -> list[str]:
+    """Give each fp32 projection of `model` whose shape runs faster with the panel kernel
+    (`cpu_ops.linear_choice`) a `weight_panels` buffer [ceil(out / 16), in, 16]; both the
+    linear op and the fused decode then use it, so a projection computes the same bits on
+    every path. Returns the names of the packed modules. The row-major weight stays (torch's
+    fallback and the tied embedding's lookups read it)."""
+    packed = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module.weight.dtype != torch.float32:
+            continue
+        n, k = module.weight.shape
+        if cpu_ops.linear_choice(n, k) == "panels":
+            panels = cpu_ops.pack_panels(module.weight)
+            module.register_buffer("weight_panels", panels, persistent=False)
+            packed.append(name)
+    return packed

@@ -114,6 +114,104 @@ def test_ops_linear_routes_cpu_tensors_to_the_kernel():
     assert "skiff_cpu::linear" in {event.name for event in prof.events()}
 
 
+# Panels: N a multiple of the 16-wide panel or not; K below, at and past the 256-deep k-block,
+# and not a multiple of 16. M: every register-tile height (6 rows in AVX2, 8 in AVX-512) and
+# its remainders, and 300 rows.
+PANEL_SHAPES = [(16, 16), (13, 48), (130, 64), (50, 600), (962, 576), (40, 37)]
+PANEL_ROWS = [*range(1, 12), 300]
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), PANEL_SHAPES)
+def test_panels_pack_and_unpack(out_features, in_features):
+    weight = torch.randn(out_features, in_features)
+    packed = cpu_ops.pack_panels(weight)
+    assert packed.shape == (-(-out_features // cpu_ops.PANEL), in_features, cpu_ops.PANEL)
+    assert packed[0, 1, 2] == weight[2, 1]
+    assert torch.equal(cpu_ops.unpack_panels(packed, out_features), weight)
+
+
+@pytest.mark.parametrize("num_tokens", PANEL_ROWS)
+@pytest.mark.parametrize(("out_features", "in_features"), PANEL_SHAPES)
+def test_panel_kernel_matches_reference(num_tokens, out_features, in_features):
+    gen = torch.Generator().manual_seed(num_tokens * 31 + out_features)
+    x = torch.randn(num_tokens, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    packed = cpu_ops.pack_panels(weight)
+    got = torch.ops.skiff_cpu.linear_packed(x, packed, out_features, bias)
+    assert got.shape == (num_tokens, out_features)
+    torch.testing.assert_close(got, reference(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(130, 64), (962, 576), (50, 600)])
+def test_panel_rows_are_bit_identical_in_any_batch(out_features, in_features):
+    """A row's outputs do not depend on M, its place in the batch or the tile that ran it:
+    each output is one fma chain over k in order."""
+    gen = torch.Generator().manual_seed(out_features)
+    x = torch.randn(300, in_features, generator=gen)
+    packed = cpu_ops.pack_panels(torch.randn(out_features, in_features, generator=gen))
+    alone = torch.stack([torch.ops.skiff_cpu.linear_packed(row, packed, out_features) for row in x])
+    assert torch.equal(alone, torch.ops.skiff_cpu.linear_packed(x, packed, out_features))
+    for start, rows in [(0, 2), (3, 5), (7, 6), (11, 8), (1, 9), (2, 13), (5, 64), (40, 199)]:
+        got = torch.ops.skiff_cpu.linear_packed(x[start : start + rows], packed, out_features)
+        assert torch.equal(got, alone[start : start + rows]), (start, rows)
+
+
+def test_panel_kernel_bits_match_across_instruction_sets():
+    """The fma chains run in the same order in every instruction set's tiles."""
+    x, weight = torch.randn(23, 576), torch.randn(100, 576)
+    packed = cpu_ops.pack_panels(weight)
+    here = torch.ops.skiff_cpu.linear_packed(x, packed, 100)
+    widest = cpu_ops.isa()
+    for name in cpu_ops.ISAS:
+        if cpu_ops.use_isa(name):
+            assert torch.equal(torch.ops.skiff_cpu.linear_packed(x, packed, 100), here), name
+    cpu_ops.use_isa(widest)
+
+
+def test_ops_linear_routes_packed_weights_to_the_panel_kernel():
+    x, weight, bias = torch.randn(5, 32), torch.randn(24, 32), torch.randn(24)
+    packed = cpu_ops.pack_panels(weight)
+    with torch.profiler.profile() as prof:
+        got = ops.linear(x, weight, bias, None, packed)
+    assert "skiff_cpu::linear_packed" in {event.name for event in prof.events()}
+    assert torch.equal(got, torch.ops.skiff_cpu.linear_packed(x, packed, 24, bias))
+    cpu_ops.use(False)  # torch's ops: the row-major weight
+    try:
+        torch.testing.assert_close(
+            ops.linear(x, weight, bias, None, packed), F.linear(x, weight, bias)
+        )
+    finally:
+        cpu_ops.use(True)
+
+
+def test_linear_choice_is_timed_once_and_cached_on_disk(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_ops, "_choice_file", lambda: tmp_path / "choice.json")
+    monkeypatch.setattr(cpu_ops, "_choices", None)
+    timings = {"rows": 10.0, "panels": 5.0}
+    calls = []
+
+    def fake_timing(n: int, k: int, rows: int) -> dict[str, float]:
+        calls.append((n, k, rows))
+        return timings
+
+    monkeypatch.setattr(cpu_ops, "time_kernels", fake_timing)
+    with caplog.at_level("INFO", logger="skiff.kernels.cpu_ops"):
+        assert cpu_ops.linear_choice(96, 64) == "panels"
+    assert calls == [(96, 64, 1), (96, 64, 64)]
+    assert "96x64: panels" in caplog.text
+    timings = {"rows": 5.0, "panels": 10.0}
+    assert cpu_ops.linear_choice(96, 64) == "panels"  # cached in memory
+    monkeypatch.setattr(cpu_ops, "_choices", None)
+    assert cpu_ops.linear_choice(96, 64) == "panels"  # cached on disk
+    assert len(calls) == 2
+    assert cpu_ops.linear_choice(96, 32) == "rows"  # another shape: timed
+    assert len(calls) == 4
+    assert cpu_ops.linear_choice(96, 40) == "panels"  # only panels take K % 16 != 0
+    key = f"{cpu_ops.cpu_model()} | {cpu_ops.isa()} | 96x64"
+    assert key in (tmp_path / "choice.json").read_text()
+
+
 @pytest.mark.parametrize("num_tokens", [1, 7, 33])
 @pytest.mark.parametrize("hidden", [16, 40, 576])
 @pytest.mark.parametrize("with_residual", [False, True])

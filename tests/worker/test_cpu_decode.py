@@ -66,7 +66,23 @@ def test_lower_precision_weights_decode_like_the_eager_model(tiny_models, arch, 
         check_step(runner, seq_lens)
 
 
-def check_step(runner: ModelRunner, seq_lens: list[int]) -> None:
+@pytest.mark.parametrize("kernel", ["panels", "rows"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@torch.inference_mode()
+def test_fused_decode_and_linear_op_compute_the_same_bits(tiny_models, arch, kernel, monkeypatch):
+    """Each projection runs the same kernel on the same weights (its panels, or the row-major
+    weight) in the fused decode and in the linear op, so the two paths agree bit for bit."""
+    monkeypatch.setattr(cpu_ops, "linear_choice", lambda n, k: kernel)
+    runner = ModelRunner(
+        RunnerConfig(model_dir=str(tiny_models[arch]), num_blocks=64, max_model_len=256)
+    )
+    linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(hasattr(m, "weight_panels") == (kernel == "panels") for m in linears)
+    for seq_lens in ([1], [100, 5, 16, 17]):
+        check_step(runner, seq_lens, exact=True)
+
+
+def check_step(runner: ModelRunner, seq_lens: list[int], exact: bool = False) -> None:
     gen = torch.Generator().manual_seed(len(seq_lens) * 1000 + sum(seq_lens))
     for cache in runner.kv_caches:  # earlier context: random keys and values
         cache.copy_(torch.randn(cache.shape, generator=gen))
@@ -85,9 +101,10 @@ def check_step(runner: ModelRunner, seq_lens: list[int]) -> None:
     meta = decode_meta(block_table, seq_lens)
     fused = runner.fused_cpu_decode.forward(input_ids, positions, meta)
 
-    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+    tolerance = 0.0 if exact else 1e-5
+    torch.testing.assert_close(fused, eager, rtol=tolerance, atol=tolerance)
     for got, want in zip(runner.kv_caches, eager_caches, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
 def test_fused_cpu_decode_off_runs_eager(tiny_models):

@@ -16,9 +16,16 @@ def weight_scale(module: nn.Module) -> torch.Tensor | None:
     return getattr(module, "weight_scale", None)
 
 
+def weight_panels(module: nn.Module) -> torch.Tensor | None:
+    """The fp32 weight packed in panels for the CPU's panel kernel
+    (services/worker/weight_format.py), else None."""
+    return getattr(module, "weight_panels", None)
+
+
 def project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)` through `ops.linear`, int8 weights with their scales."""
-    return ops.linear(x, module.weight, module.bias, weight_scale(module))
+    """`module(x)` through `ops.linear`, int8 weights with their scales, packed weights in
+    their panels."""
+    return ops.linear(x, module.weight, module.bias, weight_scale(module), weight_panels(module))
 
 
 class RMSNorm(nn.Module):
