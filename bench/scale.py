@@ -128,7 +128,8 @@ class Fleet:
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
-        self.nats = Stack(self._config(nats_auth=False))  # one broker for every case's stack
+        # one bare broker (no users, plaintext) for every case's stack
+        self.nats = Stack(self._config(nats_auth=False, nats_tls=False))
         self.nats.start_nats()
         self.nats_url = self.nats.nats_url
         self.stack: Stack | None = None

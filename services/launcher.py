@@ -88,6 +88,11 @@ class StackConfig:
     nats_auth: bool = setting(
         True, "our nats-server: generated credentials, a user per service with only its subjects"
     )
+    nats_tls: bool = setting(
+        True,
+        "our nats-server: TLS only, with a CA and certificate generated at start "
+        "(unless --nats-server-tls-cert); off: plaintext",
+    )
     # Not nats_tls_cert/key: the services read those (their client certificate) from SKIFF_*.
     nats_server_tls_cert: str = setting(
         "", "our nats-server's TLS certificate (with --nats-tls-ca)"
@@ -160,10 +165,13 @@ class Stack:
         self.supervise = supervise
         self._supervisor: Supervisor | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.nats_url = config.nats_url or f"nats://127.0.0.1:{free_port()}"
+        scheme = "tls" if self._server_tls_wanted() else "nats"
+        self.nats_url = config.nats_url or f"{scheme}://127.0.0.1:{free_port()}"
         self.url = f"http://{config.gateway.host}:{config.gateway.port}"
         self._nats_dir: tempfile.TemporaryDirectory[str] | None = None  # nats.conf, passwords
         self._nats_users: dict[str, NatsUser] = {}  # generated once, kept across NATS restarts
+        self._nats_tls: ServerTls | None = None  # generated or given, kept across restarts
+        self.nats_tls_ca = config.nats_tls_ca  # the CA every client verifies our NATS with
 
     # ---- processes ---------------------------------------------------------------------
 
@@ -186,19 +194,19 @@ class Stack:
     def _python(self, module: str, *args: str) -> list[str]:
         return [sys.executable, "-m", module, *args]
 
+    def _server_tls_wanted(self) -> bool:
+        c = self.config
+        return bool(c.nats_tls or c.nats_server_tls_cert or c.nats_server_tls_key)
+
     def start_nats(self) -> None:
         """Our nats-server; with `nats_auth`, users and passwords are generated on the first
-        start (files of mode 0600 in a private temp dir) and the services get theirs."""
+        start (files of mode 0600 in a private temp dir) and the services get theirs. With
+        `nats_tls` and no certificate given, a CA and a server certificate are generated
+        there too (`shared.local_tls`); the server then refuses plaintext clients."""
         c = self.config
         port = self.nats_url.rsplit(":", 1)[1]
         argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", port]
-        tls = None
-        if c.nats_server_tls_cert or c.nats_server_tls_key:
-            if not (c.nats_server_tls_cert and c.nats_server_tls_key and c.nats_tls_ca):
-                raise StartupError(
-                    "NATS TLS needs --nats-server-tls-cert, --nats-server-tls-key and --nats-tls-ca"
-                )
-            tls = ServerTls(c.nats_server_tls_cert, c.nats_server_tls_key)
+        tls = self._server_tls() if self._server_tls_wanted() else None
         users = list(self._generate_nats_users().values()) if c.nats_auth else None
         conf = server_config(
             users, c.subject_prefix, c.scheduler_shards, tls=tls, max_payload=c.nats_max_payload
@@ -209,6 +217,25 @@ class Stack:
             argv += ["-c", str(path)]
         self._spawn("nats", argv)
         self._wait_port("127.0.0.1", int(port), "nats", 10)
+
+    def _server_tls(self) -> ServerTls:
+        """The given certificate, else one generated on the first start."""
+        if self._nats_tls is None:
+            c = self.config
+            if c.nats_server_tls_cert or c.nats_server_tls_key:
+                if not (c.nats_server_tls_cert and c.nats_server_tls_key and c.nats_tls_ca):
+                    raise StartupError(
+                        "NATS TLS needs --nats-server-tls-cert, --nats-server-tls-key and "
+                        "--nats-tls-ca"
+                    )
+                self._nats_tls = ServerTls(c.nats_server_tls_cert, c.nats_server_tls_key)
+            else:
+                from shared import local_tls  # cryptography: `skiff serve` only, not the images
+
+                certs = local_tls.generate(self._private_dir())
+                self._nats_tls = ServerTls(str(certs.cert), str(certs.key))
+                self.nats_tls_ca = str(certs.ca)
+        return self._nats_tls
 
     def _private_dir(self) -> Path:
         if self._nats_dir is None:
@@ -236,9 +263,7 @@ class Stack:
         """A child's config connecting to our NATS as `user`: the password by file, never on
         its command line. Without generated users (auth off, or an external NATS) a child
         connects with what its inherited SKIFF_NATS_* variables say."""
-        config = dataclasses.replace(
-            config, nats_url=self.nats_url, nats_tls_ca=self.config.nats_tls_ca
-        )
+        config = dataclasses.replace(config, nats_url=self.nats_url, nats_tls_ca=self.nats_tls_ca)
         if self._nats_users:
             password_file = str(self._password_file(user))
             config = dataclasses.replace(config, nats_user=user, nats_password_file=password_file)
@@ -248,12 +273,15 @@ class Stack:
         """`bus.connect` keyword arguments to reach our NATS as `user` (admin, gateway,
         scheduler, worker-<i>, or sim-workers for simulated workers)."""
         password = ""
+        ours = self.config.nats_url is None
         if self._nats_users:
             password = self._nats_users[user].password
-        elif self.config.nats_auth and self.config.nats_url is None:
+        elif self.config.nats_auth and ours:
             raise RuntimeError("start NATS first: its credentials are generated then")
+        if ours and self._server_tls_wanted() and not self.nats_tls_ca:
+            raise RuntimeError("start NATS first: its certificates are generated then")
         name = user if password else ""
-        return {"options": ConnectOptions(name, password, tls_ca=self.config.nats_tls_ca)}
+        return {"options": ConnectOptions(name, password, tls_ca=self.nats_tls_ca)}
 
     def start_scheduler(self, shard: int = 0) -> None:
         """Start the scheduler of one shard ("scheduler", or "scheduler-<i>" when sharded)."""
@@ -418,6 +446,7 @@ class Stack:
         if self._nats_dir is not None:
             self._nats_dir.cleanup()
             self._nats_dir = None
+            self._nats_tls, self.nats_tls_ca = None, self.config.nats_tls_ca
 
 
 def _gateway_drain_timeout(gateway: GatewayConfig) -> float:

@@ -1,5 +1,6 @@
 """NATS users of a deployment and what each may publish and subscribe, derived from
-`shared.subjects`; renders nats-server's configuration (users, permissions, TLS).
+`shared.subjects`; renders nats-server's configuration (users, permissions, TLS, cluster
+routes).
 
 Roles: `admin` (operators and tests: everything), `gateway`, `scheduler` (every shard) and one
 `worker` user per worker process, allowed only its own workers' plans. Each user's
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import secrets
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from shared.subjects import SUBJECT_TOKEN, Subjects, shard_prefixes, worker_pref
 
 ADMIN, GATEWAY, SCHEDULER, WORKER = "admin", "gateway", "scheduler", "worker"
 ROLES = (ADMIN, GATEWAY, SCHEDULER, WORKER)
+ROUTE_USER = "route"  # the cluster routes' user (not a client user: routes authorize apart)
 
 
 def inbox_prefix(user: str) -> str:
@@ -155,20 +158,66 @@ class ServerTls:
         return f"tls {json.dumps(tls)}\n"
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """The routes between the servers of a NATS cluster: every server's route URL (its own
+    included: a server skips itself), TLS both ways (each server presents `tls.cert` and
+    verifies its peers' with `tls.ca`), and the password of `ROUTE_USER`, which every server
+    requires of the routes it accepts and presents on those it opens."""
+
+    name: str
+    routes: tuple[str, ...]
+    listen: str = "0.0.0.0:6222"
+    tls: ServerTls | None = None
+    password: str = ""  # empty: routes without credentials
+
+    def __post_init__(self) -> None:
+        if self.tls is not None and not self.tls.ca:
+            raise ValueError("route TLS needs the CA that signed the servers' certificates")
+
+    def _route(self, url: str) -> str:
+        if not self.password:
+            return url
+        parts = urllib.parse.urlsplit(url)
+        secret = urllib.parse.quote(self.password, safe="")
+        return parts._replace(netloc=f"{ROUTE_USER}:{secret}@{parts.netloc}").geturl()
+
+    def block(self) -> str:
+        cluster: dict[str, object] = {
+            "name": self.name,
+            "listen": self.listen,
+            "routes": [self._route(url) for url in self.routes],
+        }
+        if self.tls is not None:
+            cluster["tls"] = {
+                "cert_file": self.tls.cert,
+                "key_file": self.tls.key,
+                "ca_file": self.tls.ca,
+                "verify": True,
+            }
+        if self.password:
+            cluster["authorization"] = {"user": ROUTE_USER, "password": self.password}
+        return f"cluster {json.dumps(cluster, indent=2)}\n"
+
+
 def server_config(
     users: list[NatsUser] | None,
     prefix: str,
     num_shards: int,
     *,
     tls: ServerTls | None = None,
+    cluster: Cluster | None = None,
     max_payload: int | None = None,
 ) -> str:
-    """A nats-server configuration file (listen address and port stay on its command line)."""
+    """A nats-server configuration file (listen address and port stay on its command line).
+    With `tls`, the server refuses clients that do not speak TLS."""
     parts = []
     if max_payload is not None:
         parts.append(f"max_payload: {max_payload}\n")
     if tls is not None:
         parts.append(tls.block())
+    if cluster is not None:
+        parts.append(cluster.block())
     if users is not None:
         parts.append(authorization_block(users, prefix, num_shards))
     return "".join(parts)
@@ -214,10 +263,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-ca", default="", help="verify client certificates with this CA")
+    p.add_argument("--cluster-name", default="", help="a cluster: its name (default: no routes)")
+    p.add_argument(
+        "--cluster-route",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="every server's route URL, nats://HOST:6222; repeatable",
+    )
+    p.add_argument(
+        "--cluster-tls-ca",
+        default="",
+        help="routes over TLS: the servers present --tls-cert and verify each other with this CA",
+    )
+    p.add_argument(
+        "--route-password-file",
+        type=Path,
+        help=f"routes authenticate as the user {ROUTE_USER!r} with this password",
+    )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     if args.worker and args.password_dir is None:
         p.error("--worker needs --password-dir")
+    routing = args.cluster_name or args.cluster_route or args.cluster_tls_ca
+    if (routing or args.route_password_file) and not (args.cluster_name and args.cluster_route):
+        p.error("a cluster needs --cluster-name and --cluster-route")
+    if args.cluster_tls_ca and not args.tls_cert:
+        p.error("--cluster-tls-ca needs --tls-cert and --tls-key")
     try:
         users = None
         if args.password_dir is not None:
@@ -226,7 +298,20 @@ def main(argv: list[str] | None = None) -> None:
             ]
             users += [_worker_user(spec, args.password_dir) for spec in args.worker]
         tls = ServerTls(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
-        text = server_config(users, args.subject_prefix, args.scheduler_shards, tls=tls)
+        cluster = None
+        if args.cluster_name:
+            route_tls = None
+            if args.cluster_tls_ca:
+                route_tls = ServerTls(args.tls_cert, args.tls_key, args.cluster_tls_ca)
+            password = ""
+            if args.route_password_file is not None:
+                password = args.route_password_file.read_text().strip()
+            cluster = Cluster(
+                args.cluster_name, tuple(args.cluster_route), tls=route_tls, password=password
+            )
+        text = server_config(
+            users, args.subject_prefix, args.scheduler_shards, tls=tls, cluster=cluster
+        )
     except (OSError, ValueError) as exc:
         p.error(str(exc))
     write_private(args.out, text)

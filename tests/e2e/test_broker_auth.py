@@ -141,6 +141,9 @@ def _gateway_migrations(stack) -> float:
     ids=["none", "wrong-password", "empty-password"],
 )
 def test_a_client_without_valid_credentials_is_refused(auth_stack, credentials):
+    # over TLS with the stack's CA: the credentials alone are wrong
+    tls = bus.ConnectOptions(tls_ca=auth_stack.nats_tls_ca).nats_kwargs()
+
     async def attempt() -> None:
         nc = await nats.connect(
             auth_stack.nats_url,
@@ -148,6 +151,7 @@ def test_a_client_without_valid_credentials_is_refused(auth_stack, credentials):
             max_reconnect_attempts=0,
             connect_timeout=5,
             **credentials,
+            **tls,
         )
         await nc.close()
 
