@@ -330,15 +330,14 @@ def test_nats_cluster():
     assert nats["spec"]["replicas"] == 3
     assert nats["spec"]["serviceName"] == "skiff-nats-cluster"
     find(docs, "Service", "skiff-nats-cluster")
-    (c,) = pod_spec(nats)["containers"]
-    (routes,) = [a.split("=", 1)[1] for a in c["command"] if a.startswith("--routes=")]
-    assert routes.split(",") == [
-        f"nats://skiff-nats-{i}.skiff-nats-cluster.llm.svc:6222" for i in range(3)
-    ]
+    (init,) = pod_spec(nats)["initContainers"]  # the routes are in its nats.conf
+    routes = [a.split("=", 1)[1] for a in init["command"] if a.startswith("--cluster-route=")]
+    assert routes == [f"nats://skiff-nats-{i}.skiff-nats-cluster.llm.svc:6222" for i in range(3)]
     assert find(docs, "PodDisruptionBudget", "skiff-nats")["spec"]["maxUnavailable"] == 1
     single = find(render(None), "StatefulSet", "skiff-nats")
     assert single["spec"]["replicas"] == 1
-    assert not any(a.startswith("--routes") for a in pod_spec(single)["containers"][0]["command"])
+    (init,) = pod_spec(single)["initContainers"]
+    assert not any(a.startswith("--cluster") for a in init["command"])
 
 
 def selects(selector: dict, labels: dict) -> bool:
