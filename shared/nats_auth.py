@@ -305,7 +305,13 @@ def main(argv: list[str] | None = None) -> None:
                 route_tls = ServerTls(args.tls_cert, args.tls_key, args.cluster_tls_ca)
             password = ""
             if args.route_password_file is not None:
-                password = args.route_password_file.read_text().strip()
+                try:
+                    password = args.route_password_file.read_text().strip()
+                except OSError as e:
+                    raise ValueError(
+                        f"cannot read the route password (the chart: key `route` of the NATS "
+                        f"auth Secret): {e}"
+                    ) from None
             cluster = Cluster(
                 args.cluster_name, tuple(args.cluster_route), tls=route_tls, password=password
             )

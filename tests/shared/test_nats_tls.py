@@ -69,7 +69,7 @@ def test_the_cluster_block_carries_route_tls_and_credentials():
         Cluster("s", routes, tls=ServerTls("c", "k"))
 
 
-def test_the_config_command_renders_a_cluster(tmp_path):
+def test_the_config_command_renders_a_cluster(tmp_path, capsys):
     out, password = tmp_path / "nats.conf", tmp_path / "route"
     password.write_text("secret\n")
     tls_args = ["--tls-cert", "/t/tls.crt", "--tls-key", "/t/tls.key"]
@@ -91,6 +91,7 @@ def test_the_config_command_renders_a_cluster(tmp_path):
     for argv in bad:
         with pytest.raises(SystemExit):
             main(argv)
+    assert "key `route`" in capsys.readouterr().err  # the missing password file, named
 
 
 @pytest.fixture
