@@ -1,6 +1,6 @@
 """The reference workload end to end: HTTP -> gateway -> NATS -> scheduler -> worker.
 
-    python -m bench.served [--requests 32] [--concurrency 1,4,16,32]
+    python -m bench.served [--requests 32] [--concurrency 1,4,16,32] [--no-nats-tls]
 
 The requests are streamed with at most `concurrency` in flight (all at once by default), once
 per concurrency asked for; the client records time to first token and the gaps between tokens.
@@ -144,9 +144,11 @@ def run_served(
     prompts: list[list[int]],
     outputs: list[int],
     concurrencies: list[int] | None = None,
+    nats_tls: bool = True,
 ) -> tuple[dict[str, Any], Samples]:
     """The summary (the largest concurrency's at the top level, every one's under
-    `by_concurrency`) and the latency samples of each concurrency."""
+    `by_concurrency`) and the latency samples of each concurrency; `nats_tls` as the stack's
+    (on by default, as `skiff serve` runs)."""
     concurrencies = sorted(concurrencies or [len(prompts)])
     metrics_port = free_port()
     stack = Stack(
@@ -156,6 +158,7 @@ def run_served(
             # every concurrency runs the same prompts: none may find the last run's KV cached
             scheduler=SchedulerConfig(enable_prefix_caching=False),
             scheduler_service=SchedulerServiceConfig(metrics_port=metrics_port),
+            nats_tls=nats_tls,
             log_dir="/tmp/skiff-bench",
         )
     )
@@ -231,6 +234,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", default="1,4,16,32", help="requests in flight, per run")
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    p.add_argument(
+        "--nats-tls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="NATS over TLS, as skiff serve runs it (--no-nats-tls: plaintext, to compare)",
+    )
     args = p.parse_args(argv)
     from services.worker.gguf_convert import ensure_default_model
     from shared.tokenizer import Tokenizer
@@ -238,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = ensure_default_model()
     prompts, outputs = reference_workload(Tokenizer(model_dir), args.requests)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    summary, samples = run_served(str(model_dir), prompts, outputs, concurrencies)
+    summary, samples = run_served(str(model_dir), prompts, outputs, concurrencies, args.nats_tls)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     print(f"{'in flight':>9} {'output tok/s':>12} {'TTFT p50 ms':>11} {'ITL p50 ms':>10}")

@@ -155,6 +155,18 @@ def test_restarting_nats_keeps_the_certificates(tls_broker):
     asyncio.run(ping())
 
 
+@pytest.mark.parametrize(("argv", "tls"), [([], True), (["--no-nats-tls"], False)])
+def test_skiff_serve_has_tls_on_unless_told(argv, tls, monkeypatch):
+    from services.cli import build_serve_parser, stack_config
+
+    monkeypatch.delenv("SKIFF_NATS_TLS", raising=False)
+    parser = build_serve_parser()
+    args, configs = parser.parse_configs(argv)
+    stack = Stack(stack_config(parser, args, configs, "/m"))
+    assert stack.config.nats_tls is tls
+    assert stack.nats_url.startswith("tls://" if tls else "nats://")
+
+
 def test_tls_off_is_plaintext():
     stack = Stack(StackConfig(RunnerConfig(model_dir=""), nats_auth=False, nats_tls=False))
     assert stack.nats_url.startswith("nats://")
