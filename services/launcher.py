@@ -9,6 +9,7 @@ import dataclasses
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -228,6 +229,7 @@ class Stack:
                         "NATS TLS needs --nats-server-tls-cert, --nats-server-tls-key and "
                         "--nats-tls-ca"
                     )
+                _check_certificates(c.nats_server_tls_cert, c.nats_server_tls_key, c.nats_tls_ca)
                 self._nats_tls = ServerTls(c.nats_server_tls_cert, c.nats_server_tls_key)
             else:
                 from shared import local_tls  # cryptography: `skiff serve` only, not the images
@@ -447,6 +449,22 @@ class Stack:
             self._nats_dir.cleanup()
             self._nats_dir = None
             self._nats_tls, self.nats_tls_ca = None, self.config.nats_tls_ca
+
+
+def _check_certificates(cert: str, key: str, ca: str) -> None:
+    """A certificate, key or CA file that is missing, malformed or not a pair fails here, in
+    one line naming the setting, not as a nats-server exit code."""
+    try:
+        ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as e:
+        raise StartupError(f"--nats-tls-ca {ca}: not a readable PEM CA certificate ({e})") from None
+    try:
+        ssl.create_default_context().load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise StartupError(
+            f"--nats-server-tls-cert {cert} / --nats-server-tls-key {key}: not a readable PEM "
+            f"certificate and its private key ({e})"
+        ) from None
 
 
 def _gateway_drain_timeout(gateway: GatewayConfig) -> float:

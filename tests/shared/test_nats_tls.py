@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from services.launcher import Stack, StackConfig, free_port, nats_server_binary
+from services.launcher import Stack, StackConfig, StartupError, free_port, nats_server_binary
 from services.worker.config import RunnerConfig
 from shared import bus, local_tls
 from shared.nats_auth import ROUTE_USER, Cluster, ServerTls, main, server_config
@@ -165,6 +165,30 @@ def test_skiff_serve_has_tls_on_unless_told(argv, tls, monkeypatch):
     stack = Stack(stack_config(parser, args, configs, "/m"))
     assert stack.config.nats_tls is tls
     assert stack.nats_url.startswith("tls://" if tls else "nats://")
+
+
+def test_bad_certificates_of_ones_own_fail_in_one_line(tmp_path):
+    certs = local_tls.generate(tmp_path)
+    other = local_tls.generate(tmp_path, "other")
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    cases = [  # (cert, key, ca), the setting the message names
+        (certs.cert, certs.key, tmp_path / "missing.pem", "--nats-tls-ca"),
+        (certs.cert, certs.key, tmp_path / "junk.pem", "--nats-tls-ca"),
+        (tmp_path / "junk.pem", certs.key, certs.ca, "--nats-server-tls-cert"),
+        (certs.cert, other.key, certs.ca, "--nats-server-tls-key"),  # not its key
+    ]
+    for cert, key, ca, named in cases:
+        config = StackConfig(
+            RunnerConfig(model_dir=""),
+            nats_server_tls_cert=str(cert),
+            nats_server_tls_key=str(key),
+            nats_tls_ca=str(ca),
+        )
+        stack = Stack(config)
+        with pytest.raises(StartupError, match=named) as e:
+            stack.start_nats()
+        assert "\n" not in str(e.value) and "nats" not in stack.procs
+        stack.stop()
 
 
 def test_tls_off_is_plaintext():
