@@ -118,19 +118,20 @@ PANEL = 16  # output features per panel: kPanel in kernels/csrc/cpu_kernels.h
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """fp32 weight [N, K] -> panels [ceil(N / 16), K, 16] for `linear_packed`: panel p holds
-    outputs [16 p, 16 p + 16) side by side for each k, zero past N."""
+    """Weight [N, K] (fp32, bf16 or int8; or int8's scales [N, K / 32]) -> panels
+    [ceil(N / 16), K, 16] for `linear_packed`: panel p holds rows [16 p, 16 p + 16) side by
+    side for each column, zero past N."""
     n, k = weight.shape
-    padded = F.pad(weight.detach().float(), (0, 0, 0, -n % PANEL))  # [16 P, K]
+    padded = F.pad(weight.detach(), (0, 0, 0, -n % PANEL))  # [16 P, K]
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
 def unpack_panels(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """panels [P, K, 16] -> the weight [out_features, K] they were packed from."""
+    """panels [P, K, 16] -> the [out_features, K] matrix they were packed from."""
     return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
 
 
-# The linear kernel of each weight shape, by "cpu model | isa | N x K": "panels" or "rows".
+# The linear kernel of each weight, by "cpu model | isa | dtype N x K": "panels" or "rows".
 # The same for every M (a row's bits must not depend on its batch), so it is chosen once per
 # shape, by timing both at a decode step (M = 1) and a prefill chunk (M = 64).
 _CHOICE_ROWS = (1, 64)
@@ -163,37 +164,49 @@ def times_us(fn: Callable[[], object], repeats: int) -> list[float]:
     return times
 
 
+def random_weight(
+    n: int, k: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A random weight [n, k] stored as `dtype` (fp32, bf16 or int8) and its int8 group scales
+    [n, k / 32] (None for the others)."""
+    if dtype == torch.int8:
+        return torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, k // 32) / 64
+    return torch.randn(n, k).to(dtype), None
+
+
 def time_kernels(
     n: int,
     k: int,
     rows: int,
     repeats: int = 9,
     summary: Callable[[list[float]], float] = min,
-    weight: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
+    weight: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     x: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """µs of x [rows, k] @ weight [n, k]^T (random where not given) with each kernel: the
-    `summary` of `repeats` calls (the least by default: other processes only add time)."""
-    w = torch.randn(n, k) if weight is None else weight
-    p = pack_panels(w) if packed is None else packed
+    """µs of x [rows, k] @ weight [n, k]^T (a weight and its int8 scales, or None; fp32 and x
+    random where not given) with each kernel: the `summary` of `repeats` calls (the least by
+    default: other processes only add time)."""
+    w, scale = random_weight(n, k) if weight is None else weight
+    p = pack_panels(w)
+    ps = None if scale is None else pack_panels(scale)
     xs = torch.randn(rows, k) if x is None else x
     return {
-        "rows": summary(times_us(lambda: torch.ops.skiff_cpu.linear(xs, w, None, None), repeats)),
+        "rows": summary(times_us(lambda: torch.ops.skiff_cpu.linear(xs, w, None, scale), repeats)),
         "panels": summary(
-            times_us(lambda: torch.ops.skiff_cpu.linear_packed(xs, p, n, None), repeats)
+            times_us(lambda: torch.ops.skiff_cpu.linear_packed(xs, p, n, None, ps), repeats)
         ),
     }
 
 
-def linear_choice(n: int, k: int) -> str:
-    """The kernel for fp32 weights of shape [n, k]: "panels" or "rows" (k % 16 != 0 leaves
-    only panels). Timed on first asking for this CPU, instruction set and shape, then read
-    from `linear-choice.json` in the build folder."""
+def linear_choice(n: int, k: int, dtype: torch.dtype = torch.float32) -> str:
+    """The kernel for weights [n, k] stored as `dtype` (fp32, bf16, or int8 with group
+    scales): "panels" or "rows" (k % 16 != 0 leaves only panels). Timed on first asking for
+    this CPU, instruction set, dtype and shape, then read from `linear-choice.json` in the
+    build folder."""
     global _choices
     if k % 16 != 0:
         return "panels"
-    key = f"{cpu_model()} | {isa()} | {n}x{k}"
+    key = f"{cpu_model()} | {isa()} | {str(dtype).removeprefix('torch.')} {n}x{k}"
     path = _choice_file()
     with _lock:
         if _choices is None:
@@ -204,7 +217,7 @@ def linear_choice(n: int, k: int) -> str:
         if key not in _choices:
             ratios = []
             for rows in _CHOICE_ROWS:
-                t = time_kernels(n, k, rows)
+                t = time_kernels(n, k, rows, weight=random_weight(n, k, dtype))
                 ratios.append(t["panels"] / t["rows"])
             _choices[key] = "panels" if statistics.fmean(ratios) < 1 else "rows"
             log.info("linear %s: %s (panels / rows time at M = %s: %s)", key, _choices[key],

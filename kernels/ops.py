@@ -42,14 +42,17 @@ def linear(
     bias: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
+    packed_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., in] @ weight[out, in]^T + bias -> [..., out]. On the CPU, once `cpu_ops.load()`
-    has succeeded, the C++ kernel: the panel kernel where `packed` holds the fp32 weight in
-    panels (`cpu_ops.pack_panels`), else the row kernel (fp32, bf16, or int8 weights with their
-    group scales `weight_scale` [out, in / 32]; it hands shapes it does not cover back to
-    torch); `F.linear` elsewhere."""
+    has succeeded, the C++ kernel: the panel kernel where `packed` holds the weight in panels
+    (`cpu_ops.pack_panels`; int8 with its scales' panels `packed_scale`), else the row kernel
+    (fp32, bf16, or int8 weights with their group scales `weight_scale` [out, in / 32]; it
+    hands shapes it does not cover back to torch); `F.linear` elsewhere."""
     if packed is not None and use_cpu_ops(x):
-        y: torch.Tensor = torch.ops.skiff_cpu.linear_packed(x, packed, weight.shape[0], bias)
+        y: torch.Tensor = torch.ops.skiff_cpu.linear_packed(
+            x, packed, weight.shape[0], bias, packed_scale
+        )
         return y
     if use_cpu_ops(x):
         out: torch.Tensor = torch.ops.skiff_cpu.linear(x, weight, bias, weight_scale)

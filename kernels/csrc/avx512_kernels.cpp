@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "cpu_kernels.h"
 

@@ -22,15 +22,17 @@ using LinearRows = void (*)(const float* x, const void* w, WeightFormat format,
                             const float* scale, float* y, int64_t M, int64_t K, int64_t N,
                             int64_t n_begin, int64_t n_end);
 
-// The panel kernel's fp32 weights: [ceil(N / kPanel), K, kPanel], panel p holding output
-// features [p kPanel, (p + 1) kPanel) side by side for each k (zero past N). Each output
-// y[m, n] is one fma chain over k in order (acc = x[m, k] * w[n, k] + acc, from 0), whatever
+// The panel kernel's weights: [ceil(N / kPanel), K, kPanel], panel p holding output features
+// [p kPanel, (p + 1) kPanel) side by side for each k (zero past N), in any WeightFormat; int8
+// scales likewise [ceil(N / kPanel), K / kInt8Group, kPanel]. Each output y[m, n] is one fma
+// chain over k in order (acc = x[m, k] * w[n, k] + acc, from 0, w dequantized first), whatever
 // the register tile: its bits do not depend on M, the row's place, the tile or the
 // instruction set. Computes outputs of panels [p_begin, p_end) for m < M; x [M, K],
 // y [M, N] row-major.
 constexpr int64_t kPanel = 16;
-using LinearPanels = void (*)(const float* x, const float* packed, float* y, int64_t M,
-                              int64_t K, int64_t N, int64_t p_begin, int64_t p_end);
+using LinearPanels = void (*)(const float* x, const void* packed, WeightFormat format,
+                              const float* scale, float* y, int64_t M, int64_t K, int64_t N,
+                              int64_t p_begin, int64_t p_end);
 
 // out = rms_norm(x) * weight over `dim` floats (variance in fp32, like the model).
 using RmsNormRow = void (*)(const float* x, const float* weight, float* out, int64_t dim,

@@ -3,10 +3,11 @@
 // - linear(x, weight, bias, weight_scale): x @ weight^T + bias, streaming the weight (a
 //   decode step multiplies a few token rows by every matrix, so the step is bound by reading
 //   weights); the weight is fp32, bf16, or int8 with fp32 scales per group of 32 weights;
-// - linear_packed(x, packed, out_features, bias): the same with fp32 weights packed in panels
-//   of 16 output features ([ceil(N / 16), K, 16], kernels/cpu_ops.py pack_panels): a register
-//   tile of token rows x panels takes each weight once per tile and no horizontal sums, which
-//   makes prefill chunks (M = 8..512) run near the FMA peak. Either kernel computes each
+// - linear_packed(x, packed, out_features, bias, scale): the same with the weight (any of the
+//   three formats) packed in panels of 16 output features ([ceil(N / 16), K, 16], the int8
+//   scales likewise; kernels/cpu_ops.py pack_panels): a register tile of token rows x
+//   panels takes each weight once per tile and no horizontal sums, which makes prefill
+//   chunks (M = 8..512) run near the FMA peak. Either kernel computes each
 //   output with one fixed order of its sum over k for every M, every place of the row in the
 //   batch and every tile, so a token's bits do not depend on its batch; a weight runs one
 //   kernel for all M (cpu_ops.py linear_choice), in this op and in decode_layer alike;
@@ -47,42 +48,45 @@ bool is_fp32_cpu(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat;
 }
 
-// A weight matrix [N, K] as the kernels read it: row-major (`linear_rows`) or fp32 panels
-// (`linear_panels`); nullopt where they cannot.
+// A weight matrix [N, K] as the kernels read it.
 struct Weight {
   const void* data;
   WeightFormat format;
-  const float* scale;  // [N, K / kInt8Group], int8 only
-  bool panels;         // [ceil(N / kPanel), K, kPanel] fp32 (pack_panels in kernels/cpu_ops.py)
+  const float* scale;  // int8 only
+  bool panels;         // packed in panels (pack_panels in kernels/cpu_ops.py)
 };
 
-// `w` packed in panels for N outputs.
-bool is_panels(const at::Tensor& w, int64_t N) {
-  return is_fp32_cpu(w) && w.dim() == 3 && w.is_contiguous() && w.size(2) == kPanel &&
-         w.size(0) == (N + kPanel - 1) / kPanel;
-}
-
+// `w` for N outputs as the kernels read it: row-major [N, K] (`linear_rows`, K % 16 == 0) or
+// panels [ceil(N / kPanel), K, kPanel] (`linear_panels`), fp32, bf16, or int8 with its group
+// scales ([N, K / kInt8Group], panels: [ceil(N / kPanel), K / kInt8Group, kPanel]); nullopt
+// where they cannot.
 std::optional<Weight> as_weight(const at::Tensor& w, const std::optional<at::Tensor>& scale,
                                 int64_t N) {
-  const bool has_scale = scale.has_value() && scale->defined();
-  if (is_panels(w, N) && !has_scale)
-    return Weight{w.data_ptr(), WeightFormat::kFloat32, nullptr, true};
-  if (!w.device().is_cpu() || w.dim() != 2 || !w.is_contiguous() || w.size(1) % 16 != 0 ||
-      w.size(0) != N)
+  const bool panels = w.dim() == 3;
+  if (!w.device().is_cpu() || !w.is_contiguous() ||
+      (panels ? w.size(2) != kPanel || w.size(0) != (N + kPanel - 1) / kPanel
+              : w.dim() != 2 || w.size(0) != N || w.size(1) % 16 != 0))
     return std::nullopt;
+  const int64_t K = w.size(1);
+  const bool has_scale = scale.has_value() && scale->defined();
   switch (w.scalar_type()) {
     case at::kFloat:
-      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kFloat32, nullptr, false};
+      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kFloat32, nullptr, panels};
       break;
     case at::kBFloat16:
-      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kBFloat16, nullptr, false};
+      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kBFloat16, nullptr, panels};
       break;
-    case at::kChar:
-      if (has_scale && is_fp32_cpu(*scale) && scale->is_contiguous() && scale->dim() == 2 &&
-          w.size(1) % skiff_cpu::kInt8Group == 0 && scale->size(0) == w.size(0) &&
-          scale->size(1) == w.size(1) / skiff_cpu::kInt8Group)
-        return Weight{w.data_ptr(), WeightFormat::kInt8, scale->data_ptr<float>(), false};
+    case at::kChar: {
+      if (!has_scale || !is_fp32_cpu(*scale) || !scale->is_contiguous() ||
+          K % skiff_cpu::kInt8Group != 0)
+        break;
+      const int64_t groups = K / skiff_cpu::kInt8Group;
+      const auto want = panels ? std::vector<int64_t>{w.size(0), groups, kPanel}
+                               : std::vector<int64_t>{N, groups};
+      if (scale->sizes().equals(want))
+        return Weight{w.data_ptr(), WeightFormat::kInt8, scale->data_ptr<float>(), panels};
       break;
+    }
     default:
       break;
   }
@@ -101,11 +105,9 @@ at::Tensor dequantized(const at::Tensor& w, const std::optional<at::Tensor>& sca
 // the panels, each runs all M rows; rows: chunks of M, the threads split the weight rows.
 void linear_into(const float* x, const Weight& w, float* y, int64_t M, int64_t K, int64_t N) {
   if (w.panels) {
-    const auto* packed = static_cast<const float*>(w.data);
-    at::parallel_for(0, (N + skiff_cpu::kPanel - 1) / skiff_cpu::kPanel, 1,
-                     [&](int64_t begin, int64_t end) {
-                       skiff_cpu::kernels().linear_panels(x, packed, y, M, K, N, begin, end);
-                     });
+    at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
+      skiff_cpu::kernels().linear_panels(x, w.data, w.format, w.scale, y, M, K, N, begin, end);
+    });
     return;
   }
   const int64_t blocks = N / kLinearRowBlock;
@@ -141,19 +143,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
   return y.view(out_shape);
 }
 
-// linear with fp32 weights packed in panels ([ceil(N / kPanel), K, kPanel]) for N outputs.
+// linear with weights packed in panels ([ceil(N / kPanel), K, kPanel], + int8 scales
+// [ceil(N / kPanel), K / kInt8Group, kPanel]) for N outputs.
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                         const std::optional<at::Tensor>& bias) {
+                         const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& scale) {
   TORCH_CHECK(*skiff_cpu::isa(), "linear_packed needs AVX2 or AVX-512");
-  TORCH_CHECK(is_panels(packed, out_features) && is_fp32_cpu(x) && x.dim() >= 1 &&
+  const auto w = as_weight(packed, scale, out_features);
+  TORCH_CHECK(w.has_value() && w->panels && is_fp32_cpu(x) && x.dim() >= 1 &&
                   x.size(-1) == packed.size(1),
-              "linear_packed: fp32 x [..., K] and panels [ceil(N / 16), K, 16]");
+              "linear_packed: fp32 x [..., K] and panels [ceil(N / 16), K, 16] (fp32, bf16, "
+              "or int8 + scales [ceil(N / 16), K / 32, 16])");
   const int64_t K = packed.size(1), N = out_features;
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();  // [M, K]
   at::Tensor y = at::empty({x2.size(0), N}, x.options());  // [M, N]
-  if (x2.size(0) > 0)
-    linear_into(x2.data_ptr<float>(), *as_weight(packed, std::nullopt, N), y.data_ptr<float>(),
-                x2.size(0), K, N);
+  if (x2.size(0) > 0) linear_into(x2.data_ptr<float>(), *w, y.data_ptr<float>(), x2.size(0), K, N);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
@@ -165,7 +169,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
                    const std::optional<at::Tensor>& scale, int64_t N) {
   const auto w = as_weight(weight, scale, N);
   TORCH_CHECK(w.has_value(), "decode_layer: weights are contiguous fp32, bf16 or int8 + scale, "
-              "with input dims in multiples of 16, or fp32 panels");
+              "with input dims in multiples of 16, or their panels");
   TORCH_CHECK(weight.size(1) == x.size(1), "decode_layer: a weight does not match its input");
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   linear_into(x.data_ptr<float>(), *w, y.data_ptr<float>(), x.size(0), x.size(1), N);
@@ -416,7 +420,9 @@ TORCH_LIBRARY(skiff_cpu, m) {
   m.def(
       "linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? weight_scale=None) -> "
       "Tensor");
-  m.def("linear_packed(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
+  m.def(
+      "linear_packed(Tensor x, Tensor packed, int out_features, Tensor? bias=None, "
+      "Tensor? scale=None) -> Tensor");
   m.def(
       "decode_layer(Tensor hidden, Tensor residual, Tensor input_norm, Tensor qkv_weight, "
       "Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, Tensor cos_sin, "

@@ -69,6 +69,7 @@ constexpr int kPanelVecs = static_cast<int>(kPanel / W);  // vectors across a pa
 static_assert(kPanel % W == 0, "a panel is whole vectors");
 constexpr int64_t kPanelDepth = 256;            // k per block: a panel's block is 16 KB
 constexpr int64_t kPanelChunkBytes = 192 << 10;  // panel blocks kept in L2 while rows pass
+constexpr int64_t kPanelChunk = kPanelChunkBytes / (kPanelDepth * kPanel * sizeof(float));
 
 // Panels side by side in a tile of `rows` rows: as many as the registers hold (accumulators,
 // the weights of one k, one broadcast), at most 4.
@@ -77,15 +78,28 @@ constexpr int panels_per_tile(int rows) {
   return n < 1 ? 1 : (n > 4 ? 4 : n);
 }
 
+// Rows of x below which bf16 and int8 panels are dequantized in the register tile itself
+// rather than once per k-block into fp32 for all the rows (see panels_of).
+constexpr int64_t kDequantizeRows = 3;
+
+// W weights of panel row k (from w) as fp32: bf16 widened; int8 times the W lanes' group
+// scales (scale: the panel's [K / kInt8Group, kPanel] scales, from lane v W).
+inline Vec panel_weights(const float* w, const float*, int64_t) { return vload(w); }
+inline Vec panel_weights(const uint16_t* w, const float*, int64_t) { return vload_bf16(w); }
+inline Vec panel_weights(const int8_t* w, const float* scale, int64_t k) {
+  return vmul(vload_int8(w), vload(scale + k / kInt8Group * kPanel));
+}
+
 // y[m, n0 + c] for m < MR, c < NP kPanel (clipped at N), over k in [k0, k1): from 0 when
 // k0 == 0, else continuing the chains stored in y (an fp32 store and load are exact).
-// x: row m at x + m K; w: the NP panels' rows at k0.
-template <int MR, int NP>
-inline void panel_tile(const float* x, const float* w, float* y, int64_t K, int64_t N,
-                       int64_t n0, int64_t k0, int64_t k1) {
+// x: row m at x + m K; w: panel rows k0 .. k1 - 1, panel p's at w + p stride; int8: panel
+// p's scales at scale + p scale_stride.
+template <int MR, int NP, typename T>
+inline void panel_tile(const float* x, const T* w, int64_t stride, const float* scale,
+                       int64_t scale_stride, float* y, int64_t K, int64_t N, int64_t n0,
+                       int64_t k0, int64_t k1) {
   constexpr int V = NP * kPanelVecs;
   const int64_t cols = std::min<int64_t>(NP * kPanel, N - n0);
-  const int64_t panel_stride = K * kPanel;
   alignas(64) float row[V * W];
   Vec acc[MR][V];
   for (int m = 0; m < MR; ++m) {
@@ -102,8 +116,13 @@ inline void panel_tile(const float* x, const float* w, float* y, int64_t K, int6
   for (int64_t k = k0; k < k1; ++k) {
     Vec wv[V];
     for (int p = 0; p < NP; ++p)
-      for (int v = 0; v < kPanelVecs; ++v)
-        wv[p * kPanelVecs + v] = vload(w + p * panel_stride + (k - k0) * kPanel + v * W);
+      for (int v = 0; v < kPanelVecs; ++v) {
+        const T* src = w + p * stride + (k - k0) * kPanel + v * W;
+        if constexpr (std::is_same_v<T, int8_t>)
+          wv[p * kPanelVecs + v] = panel_weights(src, scale + p * scale_stride + v * W, k);
+        else
+          wv[p * kPanelVecs + v] = panel_weights(src, nullptr, k);
+      }
     for (int m = 0; m < MR; ++m) {
       const Vec xv = vset1(x[m * K + k]);
       for (int j = 0; j < V; ++j) acc[m][j] = vfmadd(xv, wv[j], acc[m][j]);
@@ -119,41 +138,93 @@ inline void panel_tile(const float* x, const float* w, float* y, int64_t K, int6
   }
 }
 
-// Rows [0, MR) of x against panels [p_begin, p_end), k in [k0, k1): tiles of
+// Rows [0, MR) of x against panels [p_begin, p_end) over k in [k0, k1) (their rows from k0
+// at w + (p - p_begin) stride, int8 scales at scale + (p - p_begin) scale_stride): tiles of
 // panels_per_tile(MR) panels, then one at a time.
-template <int MR>
-void panel_rows(const float* x, const float* packed, float* y, int64_t K, int64_t N,
-                int64_t p_begin, int64_t p_end, int64_t k0, int64_t k1) {
+template <int MR, typename T>
+void panel_rows(const float* x, const T* w, int64_t stride, const float* scale,
+                int64_t scale_stride, float* y, int64_t K, int64_t N, int64_t p_begin,
+                int64_t p_end, int64_t k0, int64_t k1) {
   constexpr int NP = panels_per_tile(MR);
-  auto at = [&](int64_t p) { return packed + p * K * kPanel + k0 * kPanel; };
+  auto tile = [&](auto np, int64_t p) {
+    const int64_t i = p - p_begin;
+    const float* s = scale ? scale + i * scale_stride : nullptr;
+    panel_tile<MR, decltype(np)::value>(x, w + i * stride, stride, s, scale_stride, y, K, N,
+                                        p * kPanel, k0, k1);
+  };
   int64_t p = p_begin;
-  for (; p + NP <= p_end; p += NP) panel_tile<MR, NP>(x, at(p), y, K, N, p * kPanel, k0, k1);
-  for (; p < p_end; ++p) panel_tile<MR, 1>(x, at(p), y, K, N, p * kPanel, k0, k1);
+  for (; p + NP <= p_end; p += NP) tile(std::integral_constant<int, NP>{}, p);
+  for (; p < p_end; ++p) tile(std::integral_constant<int, 1>{}, p);
 }
 
-// panel_rows<1> .. panel_rows<kPanelRows>, by number of rows.
-template <size_t... I>
+// panel_rows<1, T> .. panel_rows<kPanelRows, T>, by number of rows.
+template <typename T, size_t... I>
 constexpr auto panel_row_variants(std::index_sequence<I...>) {
-  return std::array{&panel_rows<static_cast<int>(I) + 1>...};
+  return std::array{&panel_rows<static_cast<int>(I) + 1, T>...};
 }
+template <typename T>
 constexpr auto kPanelRowVariants =
-    panel_row_variants(std::make_index_sequence<static_cast<size_t>(kPanelRows)>{});
+    panel_row_variants<T>(std::make_index_sequence<static_cast<size_t>(kPanelRows)>{});
 
-// Blocks of panels whose k-blocks stay in L2; in each, k-blocks of kPanelDepth, in each, all
-// rows of x in tiles of kPanelRows (then the rest) against the block's panels.
-void linear_panels(const float* x, const float* packed, float* y, int64_t M, int64_t K,
-                   int64_t N, int64_t p_begin, int64_t p_end) {
-  const int64_t chunk =
-      std::max<int64_t>(1, kPanelChunkBytes / (kPanelDepth * kPanel * sizeof(float)));
-  for (int64_t p0 = p_begin; p0 < p_end; p0 += chunk) {
-    const int64_t p1 = std::min(p_end, p0 + chunk);
+// Blocks of kPanelChunk panels (their k-blocks stay in L2); in each, k-blocks of kPanelDepth;
+// in each, all rows of x in tiles of kPanelRows (then the rest) against the block's panels.
+// From kDequantizeRows rows on, bf16 and int8 panels are first dequantized, a k-block of a
+// panel block at a time, into fp32 (kPanelChunk kPanelDepth kPanel floats), once for all
+// rows; the tiles compute the same fp32 weights from them as they would themselves, so the
+// chains and their bits are the same either way.
+template <typename T>
+void panels_of(const float* x, const T* packed, const float* scale, float* y, int64_t M,
+               int64_t K, int64_t N, int64_t p_begin, int64_t p_end) {
+  const bool dequantize = !std::is_same_v<T, float> && M >= kDequantizeRows;
+  std::vector<float> scratch(dequantize ? kPanelChunk * kPanelDepth * kPanel : 0);
+  const int64_t scale_stride = K / kInt8Group * kPanel;  // int8: one panel's scales
+  for (int64_t p0 = p_begin; p0 < p_end; p0 += kPanelChunk) {
+    const int64_t p1 = std::min(p_end, p0 + kPanelChunk);
+    const float* s = scale ? scale + p0 * scale_stride : nullptr;
     for (int64_t k0 = 0; k0 < K; k0 += kPanelDepth) {
       const int64_t k1 = std::min(K, k0 + kPanelDepth);
+      const T* w = packed + (p0 * K + k0) * kPanel;
+      if (!dequantize) {
+        for (int64_t m = 0; m < M; m += kPanelRows) {
+          const int64_t rows = std::min<int64_t>(kPanelRows, M - m);
+          kPanelRowVariants<T>[rows - 1](x + m * K, w, K * kPanel, s, scale_stride, y + m * N,
+                                         K, N, p0, p1, k0, k1);
+        }
+        continue;
+      }
+      const int64_t stride = (k1 - k0) * kPanel;
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t k = k0; k < k1; ++k) {
+          const T* src = packed + (p * K + k) * kPanel;
+          float* dst = scratch.data() + (p - p0) * stride + (k - k0) * kPanel;
+          for (int v = 0; v < kPanelVecs; ++v) {
+            if constexpr (std::is_same_v<T, int8_t>)
+              vstore(dst + v * W, panel_weights(src + v * W, s + (p - p0) * scale_stride + v * W, k));
+            else
+              vstore(dst + v * W, panel_weights(src + v * W, nullptr, k));
+          }
+        }
       for (int64_t m = 0; m < M; m += kPanelRows) {
         const int64_t rows = std::min<int64_t>(kPanelRows, M - m);
-        kPanelRowVariants[rows - 1](x + m * K, packed, y + m * N, K, N, p0, p1, k0, k1);
+        kPanelRowVariants<float>[rows - 1](x + m * K, scratch.data(), stride, nullptr, 0,
+                                           y + m * N, K, N, p0, p1, k0, k1);
       }
     }
+  }
+}
+
+void linear_panels(const float* x, const void* packed, WeightFormat format, const float* scale,
+                   float* y, int64_t M, int64_t K, int64_t N, int64_t p_begin, int64_t p_end) {
+  switch (format) {
+    case WeightFormat::kFloat32:
+      panels_of(x, static_cast<const float*>(packed), nullptr, y, M, K, N, p_begin, p_end);
+      break;
+    case WeightFormat::kBFloat16:
+      panels_of(x, static_cast<const uint16_t*>(packed), nullptr, y, M, K, N, p_begin, p_end);
+      break;
+    case WeightFormat::kInt8:
+      panels_of(x, static_cast<const int8_t*>(packed), scale, y, M, K, N, p_begin, p_end);
+      break;
   }
 }
 

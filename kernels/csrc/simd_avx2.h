@@ -33,15 +33,21 @@ inline Vec vscale2(Vec p, Vec n) {  // p * 2^n for integral n in [-126, 127]: 2^
   return vmul(p, _mm256_castsi256_ps(bits));
 }
 
-// Weights k..k+W-1 of a row as fp32 (`scale`: the row's int8 group scales).
-inline Vec vload_weights(const float* row, int64_t k, const float*) { return vload(row + k); }
-inline Vec vload_weights(const uint16_t* row, int64_t k, const float*) {  // bf16: fp32's top half
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+// W bf16 (fp32's top half) or int8 values as fp32.
+inline Vec vload_bf16(const uint16_t* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
+inline Vec vload_int8(const int8_t* p) {
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+}
+
+// Weights k..k+W-1 of a row as fp32 (`scale`: the row's int8 group scales).
+inline Vec vload_weights(const float* row, int64_t k, const float*) { return vload(row + k); }
+inline Vec vload_weights(const uint16_t* row, int64_t k, const float*) { return vload_bf16(row + k); }
 inline Vec vload_weights(const int8_t* row, int64_t k, const float* scale) {
-  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k));
-  return vmul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), vset1(scale[k / kInt8Group]));
+  return vmul(vload_int8(row + k), vset1(scale[k / kInt8Group]));
 }
 
 inline IVec vload_int(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }

@@ -27,15 +27,21 @@ inline Vec vround(Vec v) {
 }
 inline Vec vscale2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
 
-// Weights k..k+W-1 of a row as fp32 (`scale`: the row's int8 group scales).
-inline Vec vload_weights(const float* row, int64_t k, const float*) { return vload(row + k); }
-inline Vec vload_weights(const uint16_t* row, int64_t k, const float*) {  // bf16: fp32's top half
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+// W bf16 (fp32's top half) or int8 values as fp32.
+inline Vec vload_bf16(const uint16_t* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
+inline Vec vload_int8(const int8_t* p) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+}
+
+// Weights k..k+W-1 of a row as fp32 (`scale`: the row's int8 group scales).
+inline Vec vload_weights(const float* row, int64_t k, const float*) { return vload(row + k); }
+inline Vec vload_weights(const uint16_t* row, int64_t k, const float*) { return vload_bf16(row + k); }
 inline Vec vload_weights(const int8_t* row, int64_t k, const float* scale) {
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
-  return vmul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), vset1(scale[k / kInt8Group]));
+  return vmul(vload_int8(row + k), vset1(scale[k / kInt8Group]));
 }
 
 inline IVec vload_int(const int32_t* p) { return _mm512_loadu_si512(p); }

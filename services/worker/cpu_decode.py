@@ -77,13 +77,16 @@ def _layer_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[_Args, _Ar
     projection's panels where it has them (the kernel, hence the bits, `ops.linear` uses)."""
     attn, mlp = layer.self_attn, layer.mlp
 
-    def weight(module: torch.nn.Linear) -> torch.Tensor:
-        panels = weight_panels(module)
-        return module.weight if panels is None else panels
+    def weight(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and int8 scales the kernel reads: the panels', where packed."""
+        panels, panel_scale = weight_panels(module)
+        if panels is None:
+            return module.weight, weight_scale(module)
+        return panels, panel_scale
 
     pre = (
         layer.input_layernorm.weight,
-        weight(attn.qkv_proj),
+        weight(attn.qkv_proj)[0],
         attn.qkv_proj.bias,
         attn.q_norm.weight if attn.qk_norm else None,
         attn.k_norm.weight if attn.qk_norm else None,
@@ -91,10 +94,10 @@ def _layer_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[_Args, _Ar
     slots = kv_cache.flatten(1, 2)  # [2, num_slots, kv_heads, head_dim]
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     post = (
-        weight(attn.o_proj),
+        weight(attn.o_proj)[0],
         layer.post_attention_layernorm.weight,
-        weight(mlp.gate_up_proj),
-        weight(mlp.down_proj),
-        *(weight_scale(p) for p in projections),
+        weight(mlp.gate_up_proj)[0],
+        weight(mlp.down_proj)[0],
+        *(weight(p)[1] for p in projections),
     )
     return pre, (slots[0], slots[1]), post

@@ -9,8 +9,8 @@ agreement for speed, because a CPU decode step is bound by reading the weights.
 
 Every projection and the LM head are converted (a tied LM head gets its own copy, the
 embedding lookup stays fp32); norms, activations and the KV cache stay fp32. The C++ ops
-(`kernels/cpu_ops.py`) read all three formats. fp32 projections whose shape runs faster so
-also get a copy packed in panels for the panel kernel (`pack_panels`).
+(`kernels/cpu_ops.py`) read all three formats. Projections whose weight runs faster so also
+get a copy packed in panels for the panel kernel (`pack_panels`), in the same format.
 """
 
 from __future__ import annotations
@@ -56,18 +56,23 @@ def convert_weights(model: DecoderForCausalLM, weight_format: str) -> None:
 
 
 def pack_panels(model: nn.Module) -> list[str]:
-    """Give each fp32 projection of `model` whose shape runs faster with the panel kernel
-    (`cpu_ops.linear_choice`) a `weight_panels` buffer [ceil(out / 16), in, 16]; both the
-    linear op and the fused decode then use it, so a projection computes the same bits on
-    every path. Returns the names of the packed modules. The row-major weight stays (torch's
-    fallback and the tied embedding's lookups read it)."""
+    """Give each projection of `model` (fp32, bf16 or int8) whose weight runs faster with the
+    panel kernel (`cpu_ops.linear_choice`) a `weight_panels` buffer [ceil(out / 16), in, 16]
+    (int8: and `weight_panel_scale` [ceil(out / 16), in / 32, 16]); both the linear op and the
+    fused decode then use them, so a projection computes the same bits on every path. Returns
+    the names of the packed modules. The row-major weight stays (torch's fallback reads it)."""
     packed = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module.weight.dtype != torch.float32:
+        if not isinstance(module, nn.Linear):
             continue
-        n, k = module.weight.shape
-        if cpu_ops.linear_choice(n, k) == "panels":
-            panels = cpu_ops.pack_panels(module.weight)
-            module.register_buffer("weight_panels", panels, persistent=False)
+        weight, scale = module.weight, getattr(module, "weight_scale", None)
+        if weight.dtype not in (torch.float32, torch.bfloat16, torch.int8):
+            continue
+        n, k = weight.shape
+        if cpu_ops.linear_choice(n, k, weight.dtype) == "panels":
+            module.register_buffer("weight_panels", cpu_ops.pack_panels(weight), persistent=False)
+            if scale is not None:
+                panel_scale = cpu_ops.pack_panels(scale)
+                module.register_buffer("weight_panel_scale", panel_scale, persistent=False)
             packed.append(name)
     return packed

@@ -128,6 +128,8 @@ def test_panels_pack_and_unpack(out_features, in_features):
     assert packed.shape == (-(-out_features // cpu_ops.PANEL), in_features, cpu_ops.PANEL)
     assert packed[0, 1, 2] == weight[2, 1]
     assert torch.equal(cpu_ops.unpack_panels(packed, out_features), weight)
+    if out_features % cpu_ops.PANEL:
+        assert not packed[-1, :, out_features % cpu_ops.PANEL :].any()  # zero past N
 
 
 @pytest.mark.parametrize("num_tokens", PANEL_ROWS)
@@ -141,6 +143,49 @@ def test_panel_kernel_matches_reference(num_tokens, out_features, in_features):
     got = torch.ops.skiff_cpu.linear_packed(x, packed, out_features, bias)
     assert got.shape == (num_tokens, out_features)
     torch.testing.assert_close(got, reference(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "int8"])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 6, 7, 9, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(13, 64), (130, 64), (50, 608)])
+def test_lower_precision_panels_match_their_dequantized_reference(
+    weight_format, num_tokens, out_features, in_features
+):
+    """bf16 and int8 panels (int8 scales packed alike): fp32 products and sums of the fp32
+    weights they stand for, and the row kernel's result to fp32 rounding. One or two rows
+    dequantize in the register tile, more rows once per k-block: the same bits."""
+    gen = torch.Generator().manual_seed(num_tokens + 3 * out_features)
+    x = torch.randn(num_tokens, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    if weight_format == "bf16":
+        stored, scale = weight.to(torch.bfloat16), None
+        dequantized = stored.float()
+    else:
+        stored, scale = quantize_int8(weight)
+        groups = stored.float().view(out_features, -1, INT8_GROUP) * scale.unsqueeze(2)
+        dequantized = groups.view_as(weight)
+    packed = cpu_ops.pack_panels(stored)
+    packed_scale = None if scale is None else cpu_ops.pack_panels(scale)
+    assert packed.dtype == stored.dtype
+    got = torch.ops.skiff_cpu.linear_packed(x, packed, out_features, None, packed_scale)
+    torch.testing.assert_close(got, reference(x, dequantized, None), rtol=1e-5, atol=1e-4)
+    rows = torch.ops.skiff_cpu.linear(x, stored, None, scale)
+    torch.testing.assert_close(got, rows, rtol=1e-5, atol=1e-4)
+    alone = torch.cat(
+        [torch.ops.skiff_cpu.linear_packed(r, packed, out_features, None, packed_scale) for r in x]
+    )
+    assert torch.equal(alone.view_as(got), got)  # bit-identical one row at a time
+
+
+def test_panels_with_mismatched_scales_are_refused():
+    stored, scale = quantize_int8(torch.randn(20, 64))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="linear_packed"):
+        torch.ops.skiff_cpu.linear_packed(x, cpu_ops.pack_panels(stored), 20)  # no scales
+    with pytest.raises(RuntimeError, match="linear_packed"):  # row-major scales
+        torch.ops.skiff_cpu.linear_packed(x, cpu_ops.pack_panels(stored), 20, None, scale)
+    with pytest.raises(RuntimeError, match="linear_packed"):  # panels for another N
+        torch.ops.skiff_cpu.linear_packed(x, cpu_ops.pack_panels(torch.randn(20, 64)), 40)
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(130, 64), (962, 576), (50, 600)])
@@ -191,7 +236,7 @@ def test_linear_choice_is_timed_once_and_cached_on_disk(tmp_path, monkeypatch, c
     timings = {"rows": 10.0, "panels": 5.0}
     calls = []
 
-    def fake_timing(n: int, k: int, rows: int) -> dict[str, float]:
+    def fake_timing(n: int, k: int, rows: int, weight: object) -> dict[str, float]:
         calls.append((n, k, rows))
         return timings
 
@@ -199,7 +244,7 @@ def test_linear_choice_is_timed_once_and_cached_on_disk(tmp_path, monkeypatch, c
     with caplog.at_level("INFO", logger="skiff.kernels.cpu_ops"):
         assert cpu_ops.linear_choice(96, 64) == "panels"
     assert calls == [(96, 64, 1), (96, 64, 64)]
-    assert "96x64: panels" in caplog.text
+    assert "float32 96x64: panels" in caplog.text
     timings = {"rows": 5.0, "panels": 10.0}
     assert cpu_ops.linear_choice(96, 64) == "panels"  # cached in memory
     monkeypatch.setattr(cpu_ops, "_choices", None)
@@ -207,8 +252,10 @@ def test_linear_choice_is_timed_once_and_cached_on_disk(tmp_path, monkeypatch, c
     assert len(calls) == 2
     assert cpu_ops.linear_choice(96, 32) == "rows"  # another shape: timed
     assert len(calls) == 4
+    assert cpu_ops.linear_choice(96, 32, torch.int8) == "rows"  # another format: timed
+    assert len(calls) == 6
     assert cpu_ops.linear_choice(96, 40) == "panels"  # only panels take K % 16 != 0
-    key = f"{cpu_ops.cpu_model()} | {cpu_ops.isa()} | 96x64"
+    key = f"{cpu_ops.cpu_model()} | {cpu_ops.isa()} | float32 96x64"
     assert key in (tmp_path / "choice.json").read_text()
 
 

@@ -67,15 +67,21 @@ def test_lower_precision_weights_decode_like_the_eager_model(tiny_models, arch, 
 
 
 @pytest.mark.parametrize("kernel", ["panels", "rows"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    ("arch", "cpu_weights"),
+    [("llama", "fp32"), ("qwen2", "fp32"), ("qwen2", "int8"), ("llama", "bf16")],
+)
 @torch.inference_mode()
-def test_fused_decode_and_linear_op_compute_the_same_bits(tiny_models, arch, kernel, monkeypatch):
+def test_fused_decode_and_linear_op_compute_the_same_bits(
+    tiny_models, arch, cpu_weights, kernel, monkeypatch
+):
     """Each projection runs the same kernel on the same weights (its panels, or the row-major
     weight) in the fused decode and in the linear op, so the two paths agree bit for bit."""
-    monkeypatch.setattr(cpu_ops, "linear_choice", lambda n, k: kernel)
-    runner = ModelRunner(
-        RunnerConfig(model_dir=str(tiny_models[arch]), num_blocks=64, max_model_len=256)
+    monkeypatch.setattr(cpu_ops, "linear_choice", lambda n, k, dtype: kernel)
+    config = RunnerConfig(
+        model_dir=str(tiny_models[arch]), num_blocks=64, max_model_len=256, cpu_weights=cpu_weights
     )
+    runner = ModelRunner(config)
     linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
     assert all(hasattr(m, "weight_panels") == (kernel == "panels") for m in linears)
     for seq_lens in ([1], [100, 5, 16, 17]):

@@ -16,16 +16,17 @@ def weight_scale(module: nn.Module) -> torch.Tensor | None:
     return getattr(module, "weight_scale", None)
 
 
-def weight_panels(module: nn.Module) -> torch.Tensor | None:
-    """The fp32 weight packed in panels for the CPU's panel kernel
-    (services/worker/weight_format.py), else None."""
-    return getattr(module, "weight_panels", None)
+def weight_panels(module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The weight packed in panels for the CPU's panel kernel and, for int8, its scales'
+    panels (services/worker/weight_format.py pack_panels); None where it is not packed."""
+    return getattr(module, "weight_panels", None), getattr(module, "weight_panel_scale", None)
 
 
 def project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`module(x)` through `ops.linear`, int8 weights with their scales, packed weights in
     their panels."""
-    return ops.linear(x, module.weight, module.bias, weight_scale(module), weight_panels(module))
+    panels, panel_scale = weight_panels(module)
+    return ops.linear(x, module.weight, module.bias, weight_scale(module), panels, panel_scale)
 
 
 class RMSNorm(nn.Module):
