@@ -178,9 +178,12 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
 
 // One unit of attention work for one KV head: `tokens` consecutive query rows of a request
 // (from row `row`), at positions first_pos .. first_pos + tokens - 1 of its context. A decode
-// token is a task alone; a prefill chunk is cut into tasks of up to kPrefillRows / group tokens.
+// token is a task alone; a prefill chunk is cut into tasks of up to kPrefillRows / group tokens,
+// all run by attend_prefill (a chunk's last token alone in its task too), so a prefill row's
+// bits do not depend on how its chunk was cut.
 struct AttentionTask {
   int64_t row, tokens, request, first_pos, kv_head;
+  bool decode;   // a decode token (its request's only query row in the step): `attend`
   int64_t cost;  // query rows x keys read: larger tasks start first
 };
 
@@ -197,9 +200,9 @@ std::vector<AttentionTask> attention_tasks(const int32_t* starts, const int32_t*
     const int64_t step = q_len == 1 ? 1 : tile;
     for (int64_t j = 0; j < q_len; j += step) {
       const int64_t tokens = std::min(step, q_len - j), keys = first_pos + j + tokens;
-      const int64_t rows = tokens == 1 ? group : skiff_cpu::kPrefillRows;
+      const int64_t rows = q_len == 1 ? group : skiff_cpu::kPrefillRows;
       for (int64_t g = 0; g < num_kv_heads; ++g)
-        tasks.push_back({starts[r] + j, tokens, r, first_pos + j, g, rows * keys});
+        tasks.push_back({starts[r] + j, tokens, r, first_pos + j, g, q_len == 1, rows * keys});
     }
   }
   std::stable_sort(tasks.begin(), tasks.end(),
@@ -232,7 +235,7 @@ void attend_tasks(const float* q, int64_t q_row_stride, const at::Tensor& key_ca
       const float* q_rows = q + t.row * q_row_stride + t.kv_head * group * head_dim;
       float* out_rows = out + (t.row * num_heads + t.kv_head * group) * head_dim;
       const int32_t* request_table = table + t.request * width;
-      if (t.tokens == 1) {  // a decode token (or a chunk's last, alone in its tile)
+      if (t.decode) {
         scratch.resize(group * (t.first_pos + 1));
         skiff_cpu::kernels().attend(q_rows, group, keys, values, request_table, t.first_pos + 1,
                           block_size, num_kv_heads, t.kv_head, head_dim, scale, scratch.data(),

@@ -357,6 +357,22 @@ def test_prefill_chunk_after_context_matches_reference(q_len, context, heads, kv
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_len", [22, 43, 64])
+def test_prefill_rows_do_not_depend_on_the_chunk(q_len):
+    """A prefill token's attention has the same bits whatever chunk of 2 or more tokens it is
+    in and wherever in it, its chunk's last alone in a query tile included (9 heads over 3 KV
+    heads: tiles of 21 tokens), so its logits and the KV of later layers match however a
+    prompt was chunked. (A one-token step is a decode step: its kernel matches to rounding.)"""
+    query, kv_cache, qsl, seq_lens, table = prefill_case(q_len, 30, 9, 3, 64, seed=q_len)
+    whole = paged_attention(query, kv_cache, qsl, seq_lens, table, 0.125)
+    for tail in (2, 5, 21):  # the chunk's last `tail` tokens after the rest was computed
+        part = paged_attention(
+            query[-tail:], kv_cache, torch.tensor([0, tail], dtype=torch.int32), seq_lens,
+            table, 0.125,
+        )  # fmt: skip
+        assert torch.equal(part, whole[-tail:]), tail
+
+
 def test_prefill_tiles_equal_one_request_per_token():
     """A chunk's tokens as separate one-token requests (the decode path, the context read
     once per token) give what the tiled chunk gives, in one step with other requests."""
