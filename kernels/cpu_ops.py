@@ -3,9 +3,11 @@
 - `linear(x, weight, bias, weight_scale)`: `x @ weight^T + bias` that streams the weight
   (fp32, bf16 or group-scaled int8) at close to the memory bandwidth: a decode step
   multiplies a few token rows by every matrix;
-- `linear_packed(x, packed, out_features, bias)`: the same for fp32 weights packed in panels
-  (`pack_panels`), a register-tiled kernel that also runs prefill chunks near the CPU's FMA
-  peak; `linear_choice` says for each weight shape which of the two runs it;
+- `linear_packed(x, packed, out_features, bias, scale)`: the same for weights packed in
+  panels (`pack_panels`), a register-tiled kernel that also runs prefill chunks near the CPU's
+  FMA peak; `linear_choice` says for each weight shape which of the two runs it. Int8 weights
+  packed by `pack_q8_panels` run Q8_0 x Q8_0 instead (x quantized per row and group of 32,
+  int8 dot products with VNNI or AVX2, `int8_dot_isa`);
 - `decode_layer(...)`: a whole decoder layer of a decode-only step in one call
   (`services/worker/cpu_decode.py`);
 - `paged_attention(...)`: a step's tokens against the paged cache
@@ -75,6 +77,12 @@ def isa() -> str:
     return str(torch.ops.skiff_cpu.isa())
 
 
+def int8_dot_isa() -> str:
+    """The instructions of the Q8_0 x Q8_0 kernel: "avx512_vnni" (vpdpbusd) where `isa()` is
+    avx512 and the CPU has AVX512-VNNI, else "avx2" (vpmaddubsw + vpmaddwd); the same bits."""
+    return str(torch.ops.skiff_cpu.int8_dot_isa())
+
+
 def use_isa(name: str) -> bool:
     """Run the loaded ops with the kernels of `name` from now on (tests and benchmarks try each
     one); False, and nothing changes, where this CPU lacks it."""
@@ -124,6 +132,21 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     padded = F.pad(weight.detach(), (0, 0, 0, -n % PANEL))  # [16 P, K]
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+Q8_QUAD = 4  # consecutive k of a lane in one 32-bit int8 dot product: kQ8Quad
+Q8_GROUP = 32  # x and weights quantized per group of 32 along K: kInt8Group
+
+
+def pack_q8_panels(weight: torch.Tensor) -> torch.Tensor:
+    """Int8 weight [N, K] (|w| <= 127, K % 32 == 0) -> Q8_0 panels [ceil(N / 16), K / 4, 16, 4]
+    for `linear_packed`: panel p, quad j, lane c holds w[16 p + c, 4 j : 4 j + 4] (zero past N);
+    its scales [N, K / 32] are packed by `pack_panels`."""
+    n, k = weight.shape
+    if weight.dtype != torch.int8 or k % Q8_GROUP:
+        raise ValueError(f"Q8_0 panels need int8 weights with K % {Q8_GROUP} == 0, got {k}")
+    panels = pack_panels(weight)  # [P, K, 16]
+    return panels.view(panels.shape[0], k // Q8_QUAD, Q8_QUAD, PANEL).transpose(2, 3).contiguous()
 
 
 def unpack_panels(packed: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -1,10 +1,12 @@
 // The kernels of cpu_kernels.h built for AVX2 with FMA (x86-64 CPUs since 2013 without
-// AVX-512). Only this file is compiled for AVX2, and it includes no torch header.
+// AVX-512), and its Q8_0 x Q8_0 kernel (q8_bodies.h), which AVX-512 CPUs without VNNI run too.
+// Only this file is compiled for AVX2, and it includes no torch header.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -17,6 +19,7 @@
 namespace skiff_cpu::avx2 {
 #include "simd_avx2.h"
 #include "kernel_bodies.h"
+#include "q8_bodies.h"
 }  // namespace skiff_cpu::avx2
 
 #pragma GCC pop_options

@@ -1,6 +1,7 @@
 // Raw-pointer fp32 kernels of the CPU worker, called by the ops in cpu_ops.cpp through
 // `kernels()`: one body (kernel_bodies.h) built once per instruction set, AVX-512F
-// (avx512_kernels.cpp) and AVX2 with FMA (avx2_kernels.cpp), picked for this CPU at run time.
+// (avx512_kernels.cpp) and AVX2 with FMA (avx2_kernels.cpp), picked for this CPU at run time;
+// the Q8_0 x Q8_0 kernel (q8_bodies.h) for AVX2 and for AVX512-VNNI (vnni_kernels.cpp).
 #pragma once
 
 #include <cstdint>
@@ -33,6 +34,20 @@ constexpr int64_t kPanel = 16;
 using LinearPanels = void (*)(const float* x, const void* packed, WeightFormat format,
                               const float* scale, float* y, int64_t M, int64_t K, int64_t N,
                               int64_t p_begin, int64_t p_end);
+
+// Q8_0 x Q8_0 (W8A8, like llama.cpp's Q8_0 dot product): y[m, n] for m < M and panels
+// [p_begin, p_end) from int8 weights packed for 4-byte dot products, [ceil(N / kPanel),
+// K / 4, kPanel, 4] (panel p, k-quad j, lane c: weights w[p kPanel + c, 4 j .. 4 j + 3]; zero
+// past N, |w| <= 127) with their group scales [ceil(N / kPanel), K / kInt8Group, kPanel], and
+// x quantized per row and group of kInt8Group (xq [M, K] int8, |xq| <= 127; x_scale
+// [M, K / kInt8Group]). Each group's dot product is an exact int32 sum (|sum| <= 32 127^2 <
+// 2^24, so exact in fp32 too); each output is one fp32 chain over the groups in order:
+// acc = float(dot_g) * (w_scale_g * x_scale_g) + acc (one fma, from 0). Its bits do not
+// depend on M, the row's place, the tile or the instruction set. K % kInt8Group == 0.
+using LinearQ8Panels = void (*)(const int8_t* xq, const float* x_scale, const int8_t* packed,
+                                const float* scale, float* y, int64_t M, int64_t K, int64_t N,
+                                int64_t p_begin, int64_t p_end);
+constexpr int64_t kQ8Quad = 4;  // consecutive k of a lane in a 32-bit dot product
 
 // out = rms_norm(x) * weight over `dim` floats (variance in fp32, like the model).
 using RmsNormRow = void (*)(const float* x, const float* weight, float* out, int64_t dim,
@@ -93,6 +108,14 @@ extern const KernelTable kernel_table;
 }
 namespace avx2 {
 extern const KernelTable kernel_table;
+void linear_q8_panels(const int8_t* xq, const float* x_scale, const int8_t* packed,
+                      const float* scale, float* y, int64_t M, int64_t K, int64_t N,
+                      int64_t p_begin, int64_t p_end);  // vpmaddubsw + vpmaddwd
+}
+namespace avx512_vnni {
+void linear_q8_panels(const int8_t* xq, const float* x_scale, const int8_t* packed,
+                      const float* scale, float* y, int64_t M, int64_t K, int64_t N,
+                      int64_t p_begin, int64_t p_end);  // vpdpbusd
 }
 
 // The instruction set the kernels use: "avx512" or "avx2", the widest this CPU has unless
@@ -104,5 +127,13 @@ bool use_isa(const char* name);
 
 // The kernels of `isa()`.
 const KernelTable& kernels();
+
+// The int8 dot products of the Q8_0 x Q8_0 kernel: "avx512_vnni" where isa() is "avx512" and
+// the CPU has AVX512-VNNI and AVX512-BW, else "avx2" (every AVX-512 CPU has AVX2); "" with
+// neither. Both compute the same int32 sums, hence the same bits.
+const char* int8_dot_isa();
+
+// The Q8_0 x Q8_0 kernel of `int8_dot_isa()`.
+LinearQ8Panels linear_q8_panels();
 
 }  // namespace skiff_cpu

@@ -7,7 +7,10 @@
 //   three formats) packed in panels of 16 output features ([ceil(N / 16), K, 16], the int8
 //   scales likewise; kernels/cpu_ops.py pack_panels): a register tile of token rows x
 //   panels takes each weight once per tile and no horizontal sums, which makes prefill
-//   chunks (M = 8..512) run near the FMA peak. Either kernel computes each
+//   chunks (M = 8..512) run near the FMA peak. Int8 panels packed for 4-byte dot products
+//   ([ceil(N / 16), K / 4, 16, 4], pack_q8_panels) run Q8_0 x Q8_0 instead: x quantized to
+//   int8 per row and group of 32, int32 dot products (VNNI or AVX2), fp32 group sums. Either
+//   kernel computes each
 //   output with one fixed order of its sum over k for every M, every place of the row in the
 //   batch and every tile, so a token's bits do not depend on its batch; a weight runs one
 //   kernel for all M (cpu_ops.py linear_choice), in this op and in decode_layer alike;
@@ -30,6 +33,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -38,8 +42,10 @@
 
 namespace {
 
+using skiff_cpu::kInt8Group;
 using skiff_cpu::kLinearRowBlock;
 using skiff_cpu::kPanel;
+using skiff_cpu::kQ8Quad;
 using skiff_cpu::WeightFormat;
 
 constexpr int64_t kTokensPerChunk = 64;  // rows of x kept in cache while the weight streams
@@ -54,7 +60,11 @@ struct Weight {
   WeightFormat format;
   const float* scale;  // int8 only
   bool panels;         // packed in panels (pack_panels in kernels/cpu_ops.py)
+  bool q8;             // int8 panels for Q8_0 x Q8_0 (pack_q8_panels): x is quantized too
 };
+
+// K of a weight: [N, K], panels [P, K, kPanel], or Q8_0 panels [P, K / kQ8Quad, kPanel, kQ8Quad].
+int64_t in_features(const at::Tensor& w) { return w.dim() == 4 ? w.size(1) * w.size(3) : w.size(1); }
 
 // `w` for N outputs as the kernels read it: row-major [N, K] (`linear_rows`, K % 16 == 0) or
 // panels [ceil(N / kPanel), K, kPanel] (`linear_panels`), fp32, bf16, or int8 with its group
@@ -62,6 +72,16 @@ struct Weight {
 // where they cannot.
 std::optional<Weight> as_weight(const at::Tensor& w, const std::optional<at::Tensor>& scale,
                                 int64_t N) {
+  if (w.dim() == 4) {  // Q8_0 panels + scales [P, K / kInt8Group, kPanel]
+    const int64_t P = (N + kPanel - 1) / kPanel, K = in_features(w);
+    const bool ok = w.device().is_cpu() && w.is_contiguous() && w.scalar_type() == at::kChar &&
+                    w.size(0) == P && w.size(2) == kPanel && w.size(3) == kQ8Quad &&
+                    K % kInt8Group == 0 && scale.has_value() && scale->defined() &&
+                    is_fp32_cpu(*scale) && scale->is_contiguous() &&
+                    scale->sizes().equals({P, K / kInt8Group, kPanel});
+    if (!ok) return std::nullopt;
+    return Weight{w.data_ptr(), WeightFormat::kInt8, scale->data_ptr<float>(), true, true};
+  }
   const bool panels = w.dim() == 3;
   if (!w.device().is_cpu() || !w.is_contiguous() ||
       (panels ? w.size(2) != kPanel || w.size(0) != (N + kPanel - 1) / kPanel
@@ -71,10 +91,10 @@ std::optional<Weight> as_weight(const at::Tensor& w, const std::optional<at::Ten
   const bool has_scale = scale.has_value() && scale->defined();
   switch (w.scalar_type()) {
     case at::kFloat:
-      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kFloat32, nullptr, panels};
+      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kFloat32, nullptr, panels, false};
       break;
     case at::kBFloat16:
-      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kBFloat16, nullptr, panels};
+      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kBFloat16, nullptr, panels, false};
       break;
     case at::kChar: {
       if (!has_scale || !is_fp32_cpu(*scale) || !scale->is_contiguous() ||
@@ -84,7 +104,7 @@ std::optional<Weight> as_weight(const at::Tensor& w, const std::optional<at::Ten
       const auto want = panels ? std::vector<int64_t>{w.size(0), groups, kPanel}
                                : std::vector<int64_t>{N, groups};
       if (scale->sizes().equals(want))
-        return Weight{w.data_ptr(), WeightFormat::kInt8, scale->data_ptr<float>(), panels};
+        return Weight{w.data_ptr(), WeightFormat::kInt8, scale->data_ptr<float>(), panels, false};
       break;
     }
     default:
@@ -101,9 +121,44 @@ at::Tensor dequantized(const at::Tensor& w, const std::optional<at::Tensor>& sca
   return (groups * scale->unsqueeze(2)).view_as(w);
 }
 
+// x [M, K] -> xq [M, K] int8 and x_scale [M, K / kInt8Group]: per row and group of
+// kInt8Group, scale = max |x| / 127 and q = round-half-even(x / scale) (0 where scale is 0),
+// as llama.cpp's Q8_0 but with a division. Plain IEEE fp32 operations (the rounding by the
+// 1.5 2^23 shift, exact for |v| <= 127): the same bits on every CPU, vectorizable.
+void quantize_rows(const float* x, int8_t* xq, float* x_scale, int64_t M, int64_t K) {
+  const int64_t groups = K / kInt8Group;
+  at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = x + i * kInt8Group;  // group i % groups of row i / groups
+      float amax = 0.0f;
+      for (int64_t j = 0; j < kInt8Group; ++j) amax = std::max(amax, std::fabs(src[j]));
+      const float s = amax / 127.0f;
+      x_scale[i] = s;
+      int8_t* dst = xq + i * kInt8Group;
+      for (int64_t j = 0; j < kInt8Group; ++j) {
+        const float v = s > 0.0f ? src[j] / s : 0.0f;
+        const float r = std::min(127.0f, std::max(-127.0f, (v + 12582912.0f) - 12582912.0f));
+        dst[j] = static_cast<int8_t>(r);
+      }
+    }
+  });
+}
+
 // y [M, N] = x [M, K] @ w [N, K]^T; x and y contiguous fp32. Panels: the threads split
-// the panels, each runs all M rows; rows: chunks of M, the threads split the weight rows.
+// the panels, each runs all M rows (Q8_0: x quantized first); rows: chunks of M, the threads
+// split the weight rows.
 void linear_into(const float* x, const Weight& w, float* y, int64_t M, int64_t K, int64_t N) {
+  if (w.q8) {
+    std::vector<int8_t> xq(M * K);
+    std::vector<float> x_scale(M * K / kInt8Group);
+    quantize_rows(x, xq.data(), x_scale.data(), M, K);
+    const auto kernel = skiff_cpu::linear_q8_panels();
+    const auto* packed = static_cast<const int8_t*>(w.data);
+    at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
+      kernel(xq.data(), x_scale.data(), packed, w.scale, y, M, K, N, begin, end);
+    });
+    return;
+  }
   if (w.panels) {
     at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
       skiff_cpu::kernels().linear_panels(x, w.data, w.format, w.scale, y, M, K, N, begin, end);
@@ -151,10 +206,12 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(*skiff_cpu::isa(), "linear_packed needs AVX2 or AVX-512");
   const auto w = as_weight(packed, scale, out_features);
   TORCH_CHECK(w.has_value() && w->panels && is_fp32_cpu(x) && x.dim() >= 1 &&
-                  x.size(-1) == packed.size(1),
+                  x.size(-1) == in_features(packed),
               "linear_packed: fp32 x [..., K] and panels [ceil(N / 16), K, 16] (fp32, bf16, "
-              "or int8 + scales [ceil(N / 16), K / 32, 16])");
-  const int64_t K = packed.size(1), N = out_features;
+              "or int8 + scales [ceil(N / 16), K / 32, 16]), or Q8_0 panels "
+              "[ceil(N / 16), K / 4, 16, 4] int8 + scales [ceil(N / 16), K / 32, 16] with "
+              "K % 32 == 0");
+  const int64_t K = in_features(packed), N = out_features;
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();  // [M, K]
   at::Tensor y = at::empty({x2.size(0), N}, x.options());  // [M, N]
   if (x2.size(0) > 0) linear_into(x2.data_ptr<float>(), *w, y.data_ptr<float>(), x2.size(0), K, N);
@@ -170,7 +227,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
   const auto w = as_weight(weight, scale, N);
   TORCH_CHECK(w.has_value(), "decode_layer: weights are contiguous fp32, bf16 or int8 + scale, "
               "with input dims in multiples of 16, or their panels");
-  TORCH_CHECK(weight.size(1) == x.size(1), "decode_layer: a weight does not match its input");
+  TORCH_CHECK(in_features(weight) == x.size(1), "decode_layer: a weight does not match its input");
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   linear_into(x.data_ptr<float>(), *w, y.data_ptr<float>(), x.size(0), x.size(1), N);
   return y;
@@ -420,6 +477,7 @@ TORCH_LIBRARY(skiff_cpu, m) {
   m.def("isa() -> str", [] { return std::string(skiff_cpu::isa()); });
   m.def("use_isa(str name) -> bool",
         [](const std::string& name) { return skiff_cpu::use_isa(name.c_str()); });
+  m.def("int8_dot_isa() -> str", [] { return std::string(skiff_cpu::int8_dot_isa()); });
   m.def(
       "linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? weight_scale=None) -> "
       "Tensor");

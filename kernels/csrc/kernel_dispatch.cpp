@@ -39,4 +39,18 @@ const KernelTable& kernels() {
   return std::string_view(isa()) == "avx512" ? avx512::kernel_table : avx2::kernel_table;
 }
 
+const char* int8_dot_isa() {
+  static const bool vnni = __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vnni");
+  const std::string_view in = isa();
+  if (in == "avx512" && vnni) return "avx512_vnni";
+  return in.empty() ? "" : "avx2";
+}
+
+LinearQ8Panels linear_q8_panels() {
+  return std::string_view(int8_dot_isa()) == "avx512_vnni" ? avx512_vnni::linear_q8_panels
+                                                            : avx2::linear_q8_panels;
+}
+
 }  // namespace skiff_cpu

@@ -57,3 +57,26 @@ inline Mask mask_le(int32_t key, IVec pos) {  // lanes with key <= pos, i.e. pos
 }
 inline Vec mask_max(Vec a, Mask m, Vec b) { return _mm256_blendv_ps(a, vmax(a, b), m); }
 inline Vec zero_unless(Mask m, Vec v) { return _mm256_and_ps(m, v); }
+
+// The int8 dot products of the Q8_0 x Q8_0 kernel (q8_bodies.h): the 4 bytes of one k-quad of
+// x, broadcast, against W lanes of 4 weight bytes, added exactly into W int32 lanes. The sign
+// trick: vpmaddubsw multiplies |x| (unsigned) by w with x's sign (vpsignb), so each pair sum is
+// at most 2 127^2 and never saturates; vpmaddwd by ones adds the pairs into int32.
+constexpr int kQ8Rows = 2;    // rows of x per Q8_0 register tile
+constexpr int kQ8Panels = 1;  // panels per Q8_0 register tile
+struct XQuad {
+  IVec magnitude, sign;
+};
+inline IVec ivzero() { return _mm256_setzero_si256(); }
+inline IVec ivload_bytes(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline XQuad xquad(const int8_t* p) {
+  int32_t quad;
+  std::memcpy(&quad, p, sizeof(quad));
+  const IVec b = _mm256_set1_epi32(quad);
+  return {_mm256_abs_epi8(b), b};
+}
+inline IVec idot(IVec acc, const XQuad& x, IVec w) {
+  const IVec pairs = _mm256_maddubs_epi16(x.magnitude, _mm256_sign_epi8(w, x.sign));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline Vec vcvt(IVec v) { return _mm256_cvtepi32_ps(v); }
