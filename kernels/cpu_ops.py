@@ -142,7 +142,7 @@ def pack_q8_panels(weight: torch.Tensor) -> torch.Tensor:
     """Int8 weight [N, K] (|w| <= 127, K % 32 == 0) -> Q8_0 panels [ceil(N / 16), K / 4, 16, 4]
     for `linear_packed`: panel p, quad j, lane c holds w[16 p + c, 4 j : 4 j + 4] (zero past N);
     its scales [N, K / 32] are packed by `pack_panels`."""
-    n, k = weight.shape
+    k = weight.shape[1]
     if weight.dtype != torch.int8 or k % Q8_GROUP:
         raise ValueError(f"Q8_0 panels need int8 weights with K % {Q8_GROUP} == 0, got {k}")
     panels = pack_panels(weight)  # [P, K, 16]

@@ -64,7 +64,9 @@ struct Weight {
 };
 
 // K of a weight: [N, K], panels [P, K, kPanel], or Q8_0 panels [P, K / kQ8Quad, kPanel, kQ8Quad].
-int64_t in_features(const at::Tensor& w) { return w.dim() == 4 ? w.size(1) * w.size(3) : w.size(1); }
+int64_t in_features(const at::Tensor& w) {
+  return w.dim() == 4 ? w.size(1) * w.size(3) : w.size(1);
+}
 
 // `w` for N outputs as the kernels read it: row-major [N, K] (`linear_rows`, K % 16 == 0) or
 // panels [ceil(N / kPanel), K, kPanel] (`linear_panels`), fp32, bf16, or int8 with its group
@@ -427,7 +429,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t rot_dim = cos_sin.size(1);
   TORCH_CHECK(rot_dim <= head_dim, "decode_layer: rotary size exceeds head_dim");
-  const int64_t H = hidden.size(1), I = down_weight.size(1);
+  const int64_t H = hidden.size(1), I = in_features(down_weight);
 
   // Residual add, RMSNorm, QKV projection.
   auto [normed, x] = rms_norm(hidden, input_norm, eps, residual);
