@@ -20,7 +20,7 @@ from shared.wire import ROLE_MIXED, WORKER_ROLES
 
 DTYPES = ("float32", "float16", "bfloat16")
 # the CPU worker's projection weights (services/worker/weight_format.py); fp32 is exact
-CPU_WEIGHT_FORMATS = ("fp32", "bf16", "int8")
+CPU_WEIGHT_FORMATS = ("fp32", "bf16", "int8", "q8_0")
 SIM_DEVICE = "sim"  # RunnerConfig.device of a simulated worker (services/worker/sim_runner.py)
 
 
@@ -82,7 +82,8 @@ class RunnerConfig:
     )
     cpu_weights: str = setting(
         "fp32",
-        "CPU projection weights: fp32 (exact), bf16 or int8 (faster, outputs can differ)",
+        "CPU projection weights: fp32 (exact), bf16, int8 or q8_0 (int8 activations too; "
+        "faster, outputs can differ)",
     )
     # vLLM's --kv-offloading-size: KV blocks the scheduler moves below the device pool
     kv_offloading_size: float = setting(

@@ -82,7 +82,7 @@ class ModelRunner:
                 raise RuntimeError(f"--cpu-weights {config.cpu_weights} needs the C++ CPU ops")
             convert_weights(self.model, config.cpu_weights)
         if self.device.type == "cpu" and cpu_ops.load():
-            pack_panels(self.model)
+            pack_panels(self.model, config.cpu_weights)
         # One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
         shape = (2, self.num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
         self.kv_caches = [

@@ -5,12 +5,17 @@ agreement for speed, because a CPU decode step is bound by reading the weights.
 - `fp32`: as loaded.
 - `bf16`: each weight rounded to bfloat16 (half the bytes); products and sums stay fp32.
 - `int8`: symmetric int8 with an fp32 scale per group of 32 weights of a row (like
-  llama.cpp's Q8_0), weight = q * scale (9/32 of the bytes).
+  llama.cpp's Q8_0), weight = q * scale (9/32 of the bytes); x stays fp32 (W8A32).
+- `q8_0`: the same weights, and the activations quantized too, as llama.cpp's Q8_0 x Q8_0
+  dot product does (W8A8): each row of x to int8 per group of 32 (scale max |x| / 127), int32
+  dot products per group (VNNI `vpdpbusd`, or AVX2), summed in fp32 times both scales. A
+  token's bits still do not depend on its batch (x is quantized per row).
 
 Every projection and the LM head are converted (a tied LM head gets its own copy, the
 embedding lookup stays fp32); norms, activations and the KV cache stay fp32. The C++ ops
-(`kernels/cpu_ops.py`) read all three formats. Projections whose weight runs faster so also
-get a copy packed in panels for the panel kernel (`pack_panels`), in the same format.
+(`kernels/cpu_ops.py`) read all of them. Projections whose weight runs faster so also
+get a copy packed in panels for the panel kernel (`pack_panels`), in the same format; `q8_0`
+weights always do (`cpu_ops.pack_q8_panels`: the Q8_0 x Q8_0 kernel reads only panels).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ INT8_GROUP = 32  # weights per scale; kInt8Group in kernels/csrc/cpu_kernels.h
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] fp32 -> (int8 [N, K], fp32 scale [N, K / 32]): weight ~= q * scale per group."""
+    if weight.shape[-1] % INT8_GROUP:
+        raise ValueError(f"int8 weights need in_features % {INT8_GROUP} == 0, got {weight.shape}")
     groups = weight.reshape(weight.shape[0], -1, INT8_GROUP)  # [N, K / 32, 32]
     scale = groups.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / 127
     q = torch.round(groups / scale).clamp(-127, 127).to(torch.int8)
@@ -55,12 +62,14 @@ def convert_weights(model: DecoderForCausalLM, weight_format: str) -> None:
             module.register_buffer("weight_scale", scale)
 
 
-def pack_panels(model: nn.Module) -> list[str]:
+def pack_panels(model: nn.Module, weight_format: str = "fp32") -> list[str]:
     """Give each projection of `model` (fp32, bf16 or int8) whose weight runs faster with the
     panel kernel (`cpu_ops.linear_choice`) a `weight_panels` buffer [ceil(out / 16), in, 16]
     (int8: and `weight_panel_scale` [ceil(out / 16), in / 32, 16]); both the linear op and the
-    fused decode then use them, so a projection computes the same bits on every path. Returns
-    the names of the packed modules. The row-major weight stays (torch's fallback reads it)."""
+    fused decode then use them, so a projection computes the same bits on every path. With
+    `weight_format` q8_0, every projection gets Q8_0 panels [ceil(out / 16), in / 4, 16, 4]
+    instead. Returns the names of the packed modules. The row-major weight stays (torch's
+    fallback reads it)."""
     packed = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
@@ -69,7 +78,12 @@ def pack_panels(model: nn.Module) -> list[str]:
         if weight.dtype not in (torch.float32, torch.bfloat16, torch.int8):
             continue
         n, k = weight.shape
-        if cpu_ops.linear_choice(n, k, weight.dtype) == "panels":
+        if weight_format == "q8_0" and scale is not None:
+            q8, q8_scale = cpu_ops.pack_q8_panels(weight), cpu_ops.pack_panels(scale)
+            module.register_buffer("weight_panels", q8, persistent=False)
+            module.register_buffer("weight_panel_scale", q8_scale, persistent=False)
+            packed.append(name)
+        elif cpu_ops.linear_choice(n, k, weight.dtype) == "panels":
             module.register_buffer("weight_panels", cpu_ops.pack_panels(weight), persistent=False)
             if scale is not None:
                 panel_scale = cpu_ops.pack_panels(scale)

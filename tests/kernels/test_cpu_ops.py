@@ -384,3 +384,138 @@ def test_prefill_tiles_equal_one_request_per_token():
         torch.arange(31, 101, dtype=torch.int32), table.expand(70, -1).contiguous(), 0.125,
     )  # fmt: skip
     torch.testing.assert_close(tiled, per_token, rtol=1e-5, atol=1e-5)
+
+
+# Q8_0 x Q8_0 (W8A8): int8 weights in Q8_0 panels, x quantized per row and group of 32.
+Q8_SHAPES = [(16, 32), (13, 64), (130, 64), (50, 608), (962, 576)]
+
+
+def q8_reference(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Q8_0 x Q8_0 in plain torch: x [M, K] quantized per group of 32 (scale max |x| / 127,
+    round half to even), exact integer dot products per group, times both fp32 scales (their
+    fp32 product), summed in float64."""
+    groups = x.view(x.shape[0], -1, INT8_GROUP)  # [M, G, 32]
+    x_scale = groups.abs().amax(dim=2, keepdim=True) / 127  # [M, G, 1]
+    xq = torch.where(x_scale > 0, torch.round(groups / x_scale), 0.0).clamp(-127, 127)
+    wq = stored.view(stored.shape[0], -1, INT8_GROUP)  # [N, G, 32]
+    dots = torch.einsum("mgk,ngk->mng", xq.long(), wq.long())  # [M, N, G], exact
+    both = scale.unsqueeze(0) * x_scale.squeeze(2).unsqueeze(1)  # [M, N, G] fp32 products
+    return (dots.double() * both.double()).sum(dim=2)
+
+
+def q8_weight(
+    out_features: int, in_features: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 weight, its scales, their Q8_0 panels, the scales' panels)."""
+    stored, scale = quantize_int8(torch.randn(out_features, in_features, generator=gen))
+    return stored, scale, cpu_ops.pack_q8_panels(stored), cpu_ops.pack_panels(scale)
+
+
+def test_q8_panels_pack_quads_of_k_side_by_side():
+    stored, _ = quantize_int8(torch.randn(20, 64))
+    packed = cpu_ops.pack_q8_panels(stored)
+    assert packed.shape == (2, 16, cpu_ops.PANEL, 4) and packed.dtype == torch.int8
+    assert torch.equal(packed[1, 3, 2], stored[18, 12:16])  # panel 1, quad 3, lane 2
+    assert not packed[1, :, 4:].any()  # zero past N
+    with pytest.raises(ValueError, match="K % 32"):
+        cpu_ops.pack_q8_panels(torch.zeros(16, 48, dtype=torch.int8))
+    with pytest.raises(ValueError, match="int8"):
+        cpu_ops.pack_q8_panels(torch.zeros(16, 64))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 7, 9, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), Q8_SHAPES)
+def test_q8_kernel_matches_reference(num_tokens, out_features, in_features):
+    gen = torch.Generator().manual_seed(num_tokens * 7 + out_features)
+    x = torch.randn(num_tokens, in_features, generator=gen)
+    x[0, :INT8_GROUP] = 0.0  # an all-zero group: scale 0, q 0
+    stored, scale, packed, packed_scale = q8_weight(out_features, in_features, gen)
+    bias = torch.randn(out_features, generator=gen)
+    got = torch.ops.skiff_cpu.linear_packed(x, packed, out_features, bias, packed_scale)
+    assert got.shape == (num_tokens, out_features)
+    want = q8_reference(x, stored, scale) + bias.double()
+    # fp32 rounding of a sum of G terms: well under one quantization step of x or w
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5)
+
+
+def test_q8_differs_from_the_int8_kernel_by_quantizing_x():
+    """The same int8 weights: W8A8 is not W8A32 (x is quantized), yet close to it."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 576, generator=gen)
+    stored, scale, packed, packed_scale = q8_weight(130, 576, gen)
+    q8 = torch.ops.skiff_cpu.linear_packed(x, packed, 130, None, packed_scale)
+    int8 = torch.ops.skiff_cpu.linear(x, stored, None, scale)
+    assert not torch.equal(q8, int8)
+    torch.testing.assert_close(q8, int8, rtol=0.05, atol=0.05 * int8.abs().max().item())
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(130, 64), (962, 576), (50, 608)])
+def test_q8_rows_are_bit_identical_in_any_batch(out_features, in_features):
+    """x is quantized per row, and each output is one fp32 chain over the groups in order."""
+    gen = torch.Generator().manual_seed(out_features)
+    x = torch.randn(300, in_features, generator=gen)
+    _, _, packed, scale = q8_weight(out_features, in_features, gen)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.skiff_cpu.linear_packed(
+            rows, packed, out_features, None, scale
+        )
+        return out
+
+    alone = torch.stack([run(row) for row in x])
+    assert torch.equal(alone, run(x))
+    for start, rows in [(0, 2), (3, 5), (7, 6), (11, 8), (1, 9), (2, 13), (5, 64), (40, 199)]:
+        assert torch.equal(run(x[start : start + rows]), alone[start : start + rows]), (start, rows)
+
+
+def test_q8_bits_match_across_instruction_sets():
+    """VNNI and AVX2 compute the same exact int32 sums, then the same fp32 chains."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(23, 608, generator=gen) * 3
+    _, _, packed, scale = q8_weight(100, 608, gen)
+    here = torch.ops.skiff_cpu.linear_packed(x, packed, 100, None, scale)
+    widest, ran = cpu_ops.isa(), set()
+    for name in cpu_ops.ISAS:
+        if cpu_ops.use_isa(name):
+            ran.add(cpu_ops.int8_dot_isa())
+            got = torch.ops.skiff_cpu.linear_packed(x, packed, 100, None, scale)
+            assert torch.equal(got, here), name
+    cpu_ops.use_isa(widest)
+    assert "avx2" in ran
+
+
+def test_int8_dot_isa_is_vnni_only_where_the_cpu_has_it():
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags)
+    want = "avx512_vnni" if cpu_ops.isa() == "avx512" and vnni else "avx2"
+    assert cpu_ops.int8_dot_isa() == want
+
+
+def test_q8_panels_with_bad_shapes_or_scales_are_refused():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 64)
+    _, scale, packed, packed_scale = q8_weight(20, 64, gen)
+    with pytest.raises(RuntimeError, match="K % 32"):  # K = 48: not whole groups
+        torch.ops.skiff_cpu.linear_packed(
+            torch.randn(2, 48), torch.zeros(2, 12, 16, 4, dtype=torch.int8), 20, None,
+            torch.ones(2, 1, 16),
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="linear_packed"):  # no scales
+        torch.ops.skiff_cpu.linear_packed(x, packed, 20)
+    with pytest.raises(RuntimeError, match="linear_packed"):  # row-major scales
+        torch.ops.skiff_cpu.linear_packed(x, packed, 20, None, scale)
+    with pytest.raises(RuntimeError, match="linear_packed"):  # x of another K
+        torch.ops.skiff_cpu.linear_packed(torch.randn(2, 32), packed, 20, None, packed_scale)
+    with pytest.raises(ValueError, match="in_features % 32"):
+        quantize_int8(torch.randn(4, 48))
+
+
+def test_ops_linear_routes_q8_panels_to_the_q8_kernel():
+    gen = torch.Generator().manual_seed(3)
+    x, bias = torch.randn(5, 64, generator=gen), torch.randn(24, generator=gen)
+    stored, scale, packed, packed_scale = q8_weight(24, 64, gen)
+    got = ops.linear(x, stored, bias, scale, packed, packed_scale)
+    torch.testing.assert_close(
+        got.double(), q8_reference(x, stored, scale) + bias.double(), rtol=1e-5, atol=2e-5
+    )

@@ -48,12 +48,20 @@ def test_fused_cpu_decode_matches_eager(tiny_models, arch):
 
 @pytest.mark.parametrize(
     ("arch", "cpu_weights"),
-    [("llama", "bf16"), ("qwen2", "int8"), ("qwen3", "bf16"), ("llama3-scaled", "int8")],
+    [
+        ("llama", "bf16"),
+        ("qwen2", "int8"),
+        ("qwen3", "bf16"),
+        ("llama3-scaled", "int8"),
+        ("qwen2", "q8_0"),
+        ("llama3-scaled", "q8_0"),
+    ],
 )
 @torch.inference_mode()
 def test_lower_precision_weights_decode_like_the_eager_model(tiny_models, arch, cpu_weights):
-    """bf16 / int8 weights (services/worker/weight_format.py): the fused path computes what
-    the eager model computes with the same stored weights."""
+    """bf16 / int8 / q8_0 weights (services/worker/weight_format.py): the fused path computes
+    what the eager model computes with the same stored weights (q8_0: the same kernel on the
+    same Q8_0 panels in both, so the same bits)."""
     config = RunnerConfig(
         model_dir=str(tiny_models[arch]), num_blocks=64, max_model_len=256, cpu_weights=cpu_weights
     )
@@ -62,8 +70,33 @@ def test_lower_precision_weights_decode_like_the_eager_model(tiny_models, arch, 
     assert runner.model.lm_head is not None and runner.model.lm_head.weight.dtype == want
     assert runner.model.layers[0].mlp.down_proj.weight.dtype == want
     assert runner.model.embed_tokens.weight.dtype == torch.float32  # lookups stay fp32
+    if cpu_weights == "q8_0":  # every projection in Q8_0 panels [P, in / 4, 16, 4]
+        linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
+        assert all(m.weight_panels.dim() == 4 for m in linears)
     for seq_lens in ([1], [100, 5, 16, 17]):
-        check_step(runner, seq_lens)
+        check_step(runner, seq_lens, exact=cpu_weights == "q8_0")
+
+
+@torch.inference_mode()
+def test_q8_0_worker_quantizes_activations_close_to_int8(tiny_models):
+    """q8_0 runs the model with x quantized too: not int8's (W8A32) hidden states, but close."""
+    out = {}
+    for cpu_weights in ("int8", "q8_0"):
+        config = RunnerConfig(
+            model_dir=str(tiny_models["qwen2"]), num_blocks=64, max_model_len=256,
+            cpu_weights=cpu_weights,
+        )  # fmt: skip
+        runner = ModelRunner(config)
+        block_table = torch.arange(8, dtype=torch.int32).view(2, 4)
+        for cache in runner.kv_caches:
+            cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(0)))
+        meta = decode_meta(block_table, [30, 50])
+        out[cpu_weights] = runner.fused_cpu_decode.forward(
+            torch.tensor([5, 9]), meta.seq_lens.long() - 1, meta
+        )
+    assert not torch.equal(out["q8_0"], out["int8"])
+    scale = out["int8"].abs().max().item()
+    torch.testing.assert_close(out["q8_0"], out["int8"], rtol=0.05, atol=0.05 * scale)
 
 
 @pytest.mark.parametrize("kernel", ["panels", "rows"])
