@@ -49,6 +49,17 @@ using LinearQ8Panels = void (*)(const int8_t* xq, const float* x_scale, const in
                                 int64_t p_begin, int64_t p_end);
 constexpr int64_t kQ8Quad = 4;  // consecutive k of a lane in a 32-bit dot product
 
+// x [groups, kInt8Group] (rows of x one after the other) -> xq [groups, kInt8Group] int8 and
+// x_scale [groups]: scale = max |x| / 127, q = x / scale rounded half to even (0 where the
+// scale is 0), as llama.cpp's Q8_0 but with a division. IEEE fp32 operations only: the same
+// bits in every instruction set.
+using QuantizeQ8 = void (*)(const float* x, int8_t* xq, float* x_scale, int64_t groups);
+
+struct Q8Kernels {
+  QuantizeQ8 quantize;
+  LinearQ8Panels linear_panels;
+};
+
 // out = rms_norm(x) * weight over `dim` floats (variance in fp32, like the model).
 using RmsNormRow = void (*)(const float* x, const float* weight, float* out, int64_t dim,
                             float eps);
@@ -108,14 +119,10 @@ extern const KernelTable kernel_table;
 }
 namespace avx2 {
 extern const KernelTable kernel_table;
-void linear_q8_panels(const int8_t* xq, const float* x_scale, const int8_t* packed,
-                      const float* scale, float* y, int64_t M, int64_t K, int64_t N,
-                      int64_t p_begin, int64_t p_end);  // vpmaddubsw + vpmaddwd
+extern const Q8Kernels q8_kernels;  // vpmaddubsw + vpmaddwd
 }
 namespace avx512_vnni {
-void linear_q8_panels(const int8_t* xq, const float* x_scale, const int8_t* packed,
-                      const float* scale, float* y, int64_t M, int64_t K, int64_t N,
-                      int64_t p_begin, int64_t p_end);  // vpdpbusd
+extern const Q8Kernels q8_kernels;  // vpdpbusd
 }
 
 // The instruction set the kernels use: "avx512" or "avx2", the widest this CPU has unless
@@ -133,7 +140,7 @@ const KernelTable& kernels();
 // neither. Both compute the same int32 sums, hence the same bits.
 const char* int8_dot_isa();
 
-// The Q8_0 x Q8_0 kernel of `int8_dot_isa()`.
-LinearQ8Panels linear_q8_panels();
+// The Q8_0 x Q8_0 kernels of `int8_dot_isa()`.
+const Q8Kernels& q8_kernels();
 
 }  // namespace skiff_cpu

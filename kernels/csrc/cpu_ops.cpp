@@ -33,7 +33,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -123,41 +122,22 @@ at::Tensor dequantized(const at::Tensor& w, const std::optional<at::Tensor>& sca
   return (groups * scale->unsqueeze(2)).view_as(w);
 }
 
-// x [M, K] -> xq [M, K] int8 and x_scale [M, K / kInt8Group]: per row and group of
-// kInt8Group, scale = max |x| / 127 and q = round-half-even(x / scale) (0 where scale is 0),
-// as llama.cpp's Q8_0 but with a division. Plain IEEE fp32 operations (the rounding by the
-// 1.5 2^23 shift, exact for |v| <= 127): the same bits on every CPU, vectorizable.
-void quantize_rows(const float* x, int8_t* xq, float* x_scale, int64_t M, int64_t K) {
-  const int64_t groups = K / kInt8Group;
-  at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* src = x + i * kInt8Group;  // group i % groups of row i / groups
-      float amax = 0.0f;
-      for (int64_t j = 0; j < kInt8Group; ++j) amax = std::max(amax, std::fabs(src[j]));
-      const float s = amax / 127.0f;
-      x_scale[i] = s;
-      int8_t* dst = xq + i * kInt8Group;
-      for (int64_t j = 0; j < kInt8Group; ++j) {
-        const float v = s > 0.0f ? src[j] / s : 0.0f;
-        const float r = std::min(127.0f, std::max(-127.0f, (v + 12582912.0f) - 12582912.0f));
-        dst[j] = static_cast<int8_t>(r);
-      }
-    }
-  });
-}
-
 // y [M, N] = x [M, K] @ w [N, K]^T; x and y contiguous fp32. Panels: the threads split
 // the panels, each runs all M rows (Q8_0: x quantized first); rows: chunks of M, the threads
 // split the weight rows.
 void linear_into(const float* x, const Weight& w, float* y, int64_t M, int64_t K, int64_t N) {
   if (w.q8) {
+    const skiff_cpu::Q8Kernels& q8 = skiff_cpu::q8_kernels();
+    const int64_t groups = M * K / kInt8Group;
     std::vector<int8_t> xq(M * K);
-    std::vector<float> x_scale(M * K / kInt8Group);
-    quantize_rows(x, xq.data(), x_scale.data(), M, K);
-    const auto kernel = skiff_cpu::linear_q8_panels();
+    std::vector<float> x_scale(groups);
+    at::parallel_for(0, groups, 256, [&](int64_t begin, int64_t end) {
+      q8.quantize(x + begin * kInt8Group, xq.data() + begin * kInt8Group, x_scale.data() + begin,
+                  end - begin);
+    });
     const auto* packed = static_cast<const int8_t*>(w.data);
     at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
-      kernel(xq.data(), x_scale.data(), packed, w.scale, y, M, K, N, begin, end);
+      q8.linear_panels(xq.data(), x_scale.data(), packed, w.scale, y, M, K, N, begin, end);
     });
     return;
   }

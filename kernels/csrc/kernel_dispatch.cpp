@@ -48,9 +48,9 @@ const char* int8_dot_isa() {
   return in.empty() ? "" : "avx2";
 }
 
-LinearQ8Panels linear_q8_panels() {
-  return std::string_view(int8_dot_isa()) == "avx512_vnni" ? avx512_vnni::linear_q8_panels
-                                                            : avx2::linear_q8_panels;
+const Q8Kernels& q8_kernels() {
+  return std::string_view(int8_dot_isa()) == "avx512_vnni" ? avx512_vnni::q8_kernels
+                                                            : avx2::q8_kernels;
 }
 
 }  // namespace skiff_cpu

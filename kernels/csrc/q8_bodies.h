@@ -12,7 +12,7 @@ constexpr int64_t kQ8ChunkBytes = 256 << 10;  // panels kept in L2 while the row
 // y[m, n0 + c] for m < MR, c < NP kPanel (clipped at N): panel p's weights at w + p K kPanel,
 // its scales at scale + p (K / kInt8Group) kPanel. Per group: the exact int32 dot products of
 // its kQ8QuadsPerGroup quads (each weight load used by all MR rows), then one fma per output.
-template <int MR, int NP>
+template <int MR, int NP, typename Bias = Q8Bias>
 inline void q8_tile(const int8_t* xq, const float* x_scale, const int8_t* w, const float* scale,
                     float* y, int64_t K, int64_t N, int64_t n0) {
   constexpr int V = NP * kQ8Vecs;
@@ -21,7 +21,8 @@ inline void q8_tile(const int8_t* xq, const float* x_scale, const int8_t* w, con
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < V; ++j) acc[m][j] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
-    IVec dots[MR][V];
+    IVec dots[MR][V], weight_sums[V];
+    for (int j = 0; j < V; ++j) weight_sums[j] = ivzero();
     for (int m = 0; m < MR; ++m)
       for (int j = 0; j < V; ++j) dots[m][j] = ivzero();
     for (int64_t q = 0; q < kQ8QuadsPerGroup; ++q) {
@@ -30,6 +31,8 @@ inline void q8_tile(const int8_t* xq, const float* x_scale, const int8_t* w, con
       for (int p = 0; p < NP; ++p)
         for (int v = 0; v < kQ8Vecs; ++v)
           wv[p * kQ8Vecs + v] = ivload_bytes(w + p * K * kPanel + k * kPanel + v * W * kQ8Quad);
+      if constexpr (Bias::kOn)
+        for (int j = 0; j < V; ++j) weight_sums[j] = Bias::weight_sum(weight_sums[j], wv[j]);
       for (int m = 0; m < MR; ++m) {
         const XQuad xv = xquad(xq + m * K + k);
         for (int j = 0; j < V; ++j) dots[m][j] = idot(dots[m][j], xv, wv[j]);
@@ -41,7 +44,9 @@ inline void q8_tile(const int8_t* xq, const float* x_scale, const int8_t* w, con
         const Vec ws = vload(scale + (p * groups + g) * kPanel + v * W);
         for (int m = 0; m < MR; ++m) {
           const Vec d = vmul(ws, vset1(x_scale[m * groups + g]));
-          acc[m][j] = vfmadd(vcvt(dots[m][j]), d, acc[m][j]);
+          IVec dot = dots[m][j];
+          if constexpr (Bias::kOn) dot = Bias::remove(dot, weight_sums[j]);
+          acc[m][j] = vfmadd(vcvt(dot), d, acc[m][j]);
         }
       }
   }
@@ -78,7 +83,24 @@ constexpr auto q8_row_variants(std::index_sequence<I...>) {
 constexpr auto kQ8RowVariants =
     q8_row_variants(std::make_index_sequence<static_cast<size_t>(kQ8Rows)>{});
 
-}  // namespace
+void quantize_q8(const float* x, int8_t* xq, float* x_scale, int64_t groups) {
+  constexpr int V = static_cast<int>(kInt8Group / W);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* src = x + g * kInt8Group;
+    Vec amax = vzero();
+    for (int v = 0; v < V; ++v) {
+      const Vec xv = vload(src + v * W);
+      amax = vmax(amax, vmax(xv, vsub(vzero(), xv)));
+    }
+    const float s = vmax_all(amax) / 127.0f;
+    x_scale[g] = s;
+    const Vec d = vset1(s > 0.0f ? s : 1.0f);  // s == 0: the group is all zeros
+    for (int v = 0; v < V; ++v) {
+      const Vec q = vround(vdiv(vload(src + v * W), d));
+      vstore_int8(xq + g * kInt8Group + v * W, vmin(vmax(q, vset1(-127.0f)), vset1(127.0f)));
+    }
+  }
+}
 
 // Chunks of panels that stay in L2; in each, all rows in tiles of kQ8Rows (then the rest).
 void linear_q8_panels(const int8_t* xq, const float* x_scale, const int8_t* packed,
@@ -95,3 +117,7 @@ void linear_q8_panels(const int8_t* xq, const float* x_scale, const int8_t* pack
     }
   }
 }
+
+}  // namespace
+
+const Q8Kernels q8_kernels = {quantize_q8, linear_q8_panels};

@@ -79,4 +79,17 @@ inline IVec idot(IVec acc, const XQuad& x, IVec w) {
   const IVec pairs = _mm256_maddubs_epi16(x.magnitude, _mm256_sign_epi8(w, x.sign));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+struct Q8Bias {  // x goes in unbiased
+  static constexpr bool kOn = false;
+};
 inline Vec vcvt(IVec v) { return _mm256_cvtepi32_ps(v); }
+inline float vmax_all(Vec v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline void vstore_int8(int8_t* p, Vec v) {  // W integral values in [-127, 127]
+  const IVec i = _mm256_cvtps_epi32(v);
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));
+}
