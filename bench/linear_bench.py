@@ -1,12 +1,15 @@
 """µs per call of the CPU linear kernels at decode and prefill sizes: the panel kernel
 (`linear_packed`), the row kernel (`linear`) and torch's `F.linear` (on the fp32 weight the
 stored one stands for), x [M, K] @ w [N, K]^T with w stored as fp32, bf16 or int8; median (or
-least) of repeats. `python -m bench.linear_bench [--threads 2] [--repeats 21]
-[--stat median|min] [--weights fp32|bf16|int8]`."""
+least) of repeats. `--weights q8_0` times the Q8_0 x Q8_0 kernel (x quantized too, int8 dot
+products: `cpu_ops.int8_dot_isa`) against int8 panels and rows (fp32 x) and fp32 panels.
+`python -m bench.linear_bench [--threads 2] [--repeats 21] [--stat median|min]
+[--weights fp32|bf16|int8|q8_0] [--isa avx512|avx2]` (default: the widest this CPU has)."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from functools import partial
 from statistics import median
 
@@ -25,15 +28,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--stat", choices=("median", "min"), default="median")
-    parser.add_argument("--weights", choices=tuple(DTYPES), default="fp32")
+    parser.add_argument("--weights", choices=(*DTYPES, "q8_0"), default="fp32")
+    parser.add_argument("--isa", choices=cpu_ops.ISAS, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_ops.load():
         raise SystemExit("the C++ CPU ops do not load here")
+    if args.isa and not cpu_ops.use_isa(args.isa):
+        raise SystemExit(f"this CPU has no {args.isa}")
     print(f"cpu: {cpu_ops.cpu_model()}, isa {cpu_ops.isa()}, {args.threads} threads")
     print(f"{args.weights} weights")
     stat = median if args.stat == "median" else min
     print(f"{args.stat} µs per call of {args.repeats}\n")
+    if args.weights == "q8_0":
+        q8_table(args.repeats, stat)
+        return
     print("| N x K | M | panels | rows | F.linear | rows / panels | F.linear / panels |")
     print("|---|---|---|---|---|---|---|")
     for n, k in SHAPES:
@@ -47,6 +56,38 @@ def main() -> None:
             torch_us = stat(cpu_ops.times_us(partial(F.linear, x, weight), args.repeats))
             cells = (t["panels"], t["rows"], torch_us)
             ratios = (t["rows"] / t["panels"], torch_us / t["panels"])
+            print(
+                f"| {n} x {k} | {m} | " + " | ".join(f"{c:.0f}" for c in cells) + " | "
+                + " | ".join(f"{r:.2f}" for r in ratios) + " |"
+            )  # fmt: skip
+
+
+def q8_table(repeats: int, stat: Callable[[list[float]], float]) -> None:
+    """Q8_0 panels vs int8 panels and rows (the same stored weights, fp32 x) and fp32 panels."""
+    print(f"int8 dot products: {cpu_ops.int8_dot_isa()}\n")
+    print("| N x K | M | q8_0 | int8 panels | int8 rows | fp32 panels | fp32 / q8_0 |", end="")
+    print(" int8 / q8_0 |")
+    print("|---|---|---|---|---|---|---|---|")
+    packed_linear = torch.ops.skiff_cpu.linear_packed
+    for n, k in SHAPES:
+        stored, scale = cpu_ops.random_weight(n, k, torch.int8)
+        assert scale is not None
+        q8, panels, panel_scale = (
+            cpu_ops.pack_q8_panels(stored), cpu_ops.pack_panels(stored), cpu_ops.pack_panels(scale)
+        )  # fmt: skip
+        fp32 = cpu_ops.pack_panels(torch.randn(n, k))
+        for m in ROWS:
+            x = torch.randn(m, k)
+            cells = [
+                stat(cpu_ops.times_us(f, repeats))
+                for f in (
+                    partial(packed_linear, x, q8, n, None, panel_scale),
+                    partial(packed_linear, x, panels, n, None, panel_scale),
+                    partial(torch.ops.skiff_cpu.linear, x, stored, None, scale),
+                    partial(packed_linear, x, fp32, n),
+                )
+            ]
+            ratios = (cells[3] / cells[0], min(cells[1:3]) / cells[0])
             print(
                 f"| {n} x {k} | {m} | " + " | ".join(f"{c:.0f}" for c in cells) + " | "
                 + " | ".join(f"{r:.2f}" for r in ratios) + " |"
