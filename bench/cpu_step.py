@@ -4,7 +4,8 @@ prompts.
 - `torch`: torch's own ops (the C++ ops off, `gemv_layout` weights, eager decode): the worker
   before its C++ ops;
 - `fp32`: the default, the C++ ops (kernels/csrc) with fp32 weights: exact;
-- `bf16`, `int8`: the same with `--cpu-weights bf16` / `int8` (services/worker/weight_format.py).
+- `bf16`, `int8`, `q8_0`: the same with `--cpu-weights bf16` / `int8` / `q8_0`
+  (services/worker/weight_format.py; q8_0 quantizes the activations too).
 
     python bench/cpu_step.py [--requests 32] [--single-tokens 64] [--repeats 3] [--no-served]
 
@@ -34,7 +35,7 @@ from kernels import cpu_ops  # noqa: E402
 from services.offline import LLM, SamplingParams  # noqa: E402
 from services.worker.loader import gemv_layout  # noqa: E402
 
-ENGINES = ("torch", "fp32", "bf16", "int8")
+ENGINES = ("torch", "fp32", "bf16", "int8", "q8_0")
 
 
 def greedy(n: int, ignore_eos: bool = True) -> SamplingParams:
