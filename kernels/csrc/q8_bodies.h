@@ -1,7 +1,8 @@
-// The Q8_0 x Q8_0 panel kernel of cpu_kernels.h (linear_q8_panels), written once over a
-// vector vocabulary (simd_avx2.h, or simd_avx512.h with simd_avx512_vnni.h: Vec, IVec, XQuad,
-// xquad, idot, vcvt). Included by avx2_kernels.cpp and vnni_kernels.cpp inside their own
-// namespace and target region. No include guard: included once per instruction set.
+// The Q8_0 x Q8_0 kernels of cpu_kernels.h (Q8Kernels: quantize_q8, linear_q8_panels),
+// written once over a vector vocabulary (simd_avx2.h, or simd_avx512.h with
+// simd_avx512_vnni.h: Vec, IVec, XQuad, xquad, idot, Q8Bias, vcvt, vmax_all, vstore_int8).
+// Included by avx2_kernels.cpp and vnni_kernels.cpp inside their own namespace and target
+// region. No include guard: included once per instruction set.
 
 namespace {
 
