@@ -39,8 +39,8 @@ using LinearPanels = void (*)(const float* x, const void* packed, WeightFormat f
 // [p_begin, p_end) from int8 weights packed for 4-byte dot products, [ceil(N / kPanel),
 // K / 4, kPanel, 4] (panel p, k-quad j, lane c: weights w[p kPanel + c, 4 j .. 4 j + 3]; zero
 // past N, |w| <= 127) with their group scales [ceil(N / kPanel), K / kInt8Group, kPanel], and
-// x quantized per row and group of kInt8Group (xq [M, K] int8, |xq| <= 127; x_scale
-// [M, K / kInt8Group]). Each group's dot product is an exact int32 sum (|sum| <= 32 127^2 <
+// x quantized per row and group of kInt8Group by the same table's quantize (xq [M, K],
+// |q| <= 127; x_scale [M, K / kInt8Group]). Each group's dot product is an exact int32 sum (|sum| <= 32 127^2 <
 // 2^24, so exact in fp32 too); each output is one fp32 chain over the groups in order:
 // acc = float(dot_g) * (w_scale_g * x_scale_g) + acc (one fma, from 0). Its bits do not
 // depend on M, the row's place, the tile or the instruction set. K % kInt8Group == 0.
@@ -49,10 +49,11 @@ using LinearQ8Panels = void (*)(const int8_t* xq, const float* x_scale, const in
                                 int64_t p_begin, int64_t p_end);
 constexpr int64_t kQ8Quad = 4;  // consecutive k of a lane in a 32-bit dot product
 
-// x [groups, kInt8Group] (rows of x one after the other) -> xq [groups, kInt8Group] int8 and
+// x [groups, kInt8Group] (rows of x one after the other) -> xq [groups, kInt8Group] and
 // x_scale [groups]: scale = max |x| / 127, q = x / scale rounded half to even (0 where the
 // scale is 0), as llama.cpp's Q8_0 but with a division. IEEE fp32 operations only: the same
-// bits in every instruction set.
+// q and scales in every instruction set; xq holds q as its table's linear_panels reads it
+// (int8 for AVX2, q + 128 as unsigned bytes for VNNI).
 using QuantizeQ8 = void (*)(const float* x, int8_t* xq, float* x_scale, int64_t groups);
 
 struct Q8Kernels {

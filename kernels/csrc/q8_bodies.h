@@ -1,6 +1,6 @@
 // The Q8_0 x Q8_0 kernels of cpu_kernels.h (Q8Kernels: quantize_q8, linear_q8_panels),
 // written once over a vector vocabulary (simd_avx2.h, or simd_avx512.h with
-// simd_avx512_vnni.h: Vec, IVec, XQuad, xquad, idot, Q8Bias, vcvt, vmax_all, vstore_int8).
+// simd_avx512_vnni.h: Vec, IVec, XQuad, xquad, idot, Q8Bias, vcvt, vmax_all, vstore_xq).
 // Included by avx2_kernels.cpp and vnni_kernels.cpp inside their own namespace and target
 // region. No include guard: included once per instruction set.
 
@@ -98,7 +98,7 @@ void quantize_q8(const float* x, int8_t* xq, float* x_scale, int64_t groups) {
     const Vec d = vset1(s > 0.0f ? s : 1.0f);  // s == 0: the group is all zeros
     for (int v = 0; v < V; ++v) {
       const Vec q = vround(vdiv(vload(src + v * W), d));
-      vstore_int8(xq + g * kInt8Group + v * W, vmin(vmax(q, vset1(-127.0f)), vset1(127.0f)));
+      vstore_xq(xq + g * kInt8Group + v * W, vmin(vmax(q, vset1(-127.0f)), vset1(127.0f)));
     }
   }
 }

@@ -88,7 +88,8 @@ inline float vmax_all(Vec v) {
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
-inline void vstore_int8(int8_t* p, Vec v) {  // W integral values in [-127, 127]
+// W quantized x (integral, in [-127, 127]) as xquad reads them: int8.
+inline void vstore_xq(int8_t* p, Vec v) {
   const IVec i = _mm256_cvtps_epi32(v);
   const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));

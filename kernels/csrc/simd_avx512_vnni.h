@@ -12,10 +12,10 @@ struct XQuad {
 };
 inline IVec ivzero() { return _mm512_setzero_si512(); }
 inline IVec ivload_bytes(const int8_t* p) { return _mm512_loadu_si512(p); }
-inline XQuad xquad(const int8_t* p) {
+inline XQuad xquad(const int8_t* p) {  // p: 4 biased bytes (vstore_xq)
   int32_t quad;
   std::memcpy(&quad, p, sizeof(quad));
-  return {_mm512_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(quad) ^ 0x80808080u))};
+  return {_mm512_set1_epi32(quad)};
 }
 inline IVec idot(IVec acc, const XQuad& x, IVec w) { return _mm512_dpbusd_epi32(acc, x.biased, w); }
 struct Q8Bias {
@@ -27,6 +27,8 @@ struct Q8Bias {
 };
 inline Vec vcvt(IVec v) { return _mm512_cvtepi32_ps(v); }
 inline float vmax_all(Vec v) { return _mm512_reduce_max_ps(v); }
-inline void vstore_int8(int8_t* p, Vec v) {  // W integral values in [-127, 127]
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+// W quantized x (integral, in [-127, 127]) as xquad reads them: x + 128, unsigned bytes.
+inline void vstore_xq(int8_t* p, Vec v) {
+  const __m128i q = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_xor_si128(q, _mm_set1_epi8(-128)));
 }
