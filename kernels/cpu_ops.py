@@ -145,6 +145,8 @@ def pack_q8_panels(weight: torch.Tensor) -> torch.Tensor:
     k = weight.shape[1]
     if weight.dtype != torch.int8 or k % Q8_GROUP:
         raise ValueError(f"Q8_0 panels need int8 weights with K % {Q8_GROUP} == 0, got {k}")
+    if (weight == -128).any():  # AVX2's sign trick negates weights: -128 has no int8 negation
+        raise ValueError("Q8_0 panels need int8 weights in [-127, 127]")
     panels = pack_panels(weight)  # [P, K, 16]
     return panels.view(panels.shape[0], k // Q8_QUAD, Q8_QUAD, PANEL).transpose(2, 3).contiguous()
 

@@ -40,8 +40,9 @@ using LinearPanels = void (*)(const float* x, const void* packed, WeightFormat f
 // K / 4, kPanel, 4] (panel p, k-quad j, lane c: weights w[p kPanel + c, 4 j .. 4 j + 3]; zero
 // past N, |w| <= 127) with their group scales [ceil(N / kPanel), K / kInt8Group, kPanel], and
 // x quantized per row and group of kInt8Group by the same table's quantize (xq [M, K],
-// |q| <= 127; x_scale [M, K / kInt8Group]). Each group's dot product is an exact int32 sum (|sum| <= 32 127^2 <
-// 2^24, so exact in fp32 too); each output is one fp32 chain over the groups in order:
+// |q| <= 127; x_scale [M, K / kInt8Group]). Each group's dot product is an exact int32 sum
+// (|sum| <= 32 127^2 < 2^24, so exact in fp32 too); each output is one fp32 chain over the
+// groups in order:
 // acc = float(dot_g) * (w_scale_g * x_scale_g) + acc (one fma, from 0). Its bits do not
 // depend on M, the row's place, the tile or the instruction set. K % kInt8Group == 0.
 using LinearQ8Panels = void (*)(const int8_t* xq, const float* x_scale, const int8_t* packed,

@@ -69,8 +69,9 @@ int64_t in_features(const at::Tensor& w) {
 
 // `w` for N outputs as the kernels read it: row-major [N, K] (`linear_rows`, K % 16 == 0) or
 // panels [ceil(N / kPanel), K, kPanel] (`linear_panels`), fp32, bf16, or int8 with its group
-// scales ([N, K / kInt8Group], panels: [ceil(N / kPanel), K / kInt8Group, kPanel]); nullopt
-// where they cannot.
+// scales ([N, K / kInt8Group], panels: [ceil(N / kPanel), K / kInt8Group, kPanel]), or
+// Q8_0 panels [ceil(N / kPanel), K / kQ8Quad, kPanel, kQ8Quad] with the panels' scales
+// (`linear_q8_panels`, K % kInt8Group == 0); nullopt where they cannot.
 std::optional<Weight> as_weight(const at::Tensor& w, const std::optional<at::Tensor>& scale,
                                 int64_t N) {
   if (w.dim() == 4) {  // Q8_0 panels + scales [P, K / kInt8Group, kPanel]

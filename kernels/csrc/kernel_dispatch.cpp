@@ -1,5 +1,6 @@
 // Which kernels of cpu_kernels.h run: the widest instruction set this CPU has, unless
-// `use_isa` picked a narrower one (tests and benchmarks run each one the CPU can).
+// `use_isa` picked a narrower one (tests and benchmarks run each one the CPU can); the Q8_0
+// kernels with VNNI only under avx512 on a CPU that has it.
 #include <atomic>
 #include <string_view>
 

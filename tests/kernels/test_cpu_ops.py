@@ -421,6 +421,8 @@ def test_q8_panels_pack_quads_of_k_side_by_side():
         cpu_ops.pack_q8_panels(torch.zeros(16, 48, dtype=torch.int8))
     with pytest.raises(ValueError, match="int8"):
         cpu_ops.pack_q8_panels(torch.zeros(16, 64))
+    with pytest.raises(ValueError, match=r"\[-127, 127\]"):
+        cpu_ops.pack_q8_panels(torch.full((16, 64), -128, dtype=torch.int8))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 7, 9, 300])
