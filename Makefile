@@ -44,6 +44,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# results per CPU family: bench/results/cpu-<family>.txt/.json (docs/benchmarks.md)
 bench: $(STAMP)
 	$(BIN)/pip install -q 'matplotlib>=3.8' sentencepiece  # sentencepiece: llama.cpp's converter
 	$(BIN)/python bench/bench.py

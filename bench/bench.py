@@ -7,29 +7,33 @@ the same client at each --llama-cpp-slots and its `llama-bench` single-stream de
 (--no-llama-cpp skips it; built once, see bench/llamacpp.py), the HTTP path through a real
 stack (--no-served skips it) and the sampler's cost per step (--no-sampler skips it). The
 machine's fp32 GEMM GFLOP/s and memory bandwidth are measured in the same run.
-Writes bench/results/cpu.json, cpu-throughput.png (output throughput against concurrency: the
-served path at each --served-concurrency, transformers at each static batch size, the offline
-engine with every request at once, llama-server at each slot count) and cpu-latency.png (the
-served path's TTFT and inter-token latency CDFs). The long-prompt section (bench/long_prompts.py,
---no-long-prompts skips it) measures prefill at 512, 2k and 8k prompt tokens in process and
-served, against llama.cpp's `llama-bench -p` and `llama-server`, and the ITL of running streams
-while an 8k prompt is admitted. The last lines are `prefill ratio vs llama.cpp at 2k: X.XX` and
-`prefill ratio vs llama.cpp at 8k: X.XX` (skiff's in-process prefill tokens/s / llama-bench's),
-`throughput ratio vs llama.cpp: X.XX` (skiff served / llama-server at its best slot count),
-`single-stream ratio vs llama.cpp: X.XX` (skiff's decode steps of one request, prefill
-excluded as llama-bench's tg64 excludes it / llama-bench tg64; the two take turns three
-times and each keeps its best) and
-`throughput ratio vs transformers: X.XX`.
+Writes bench/results/cpu-<family>.json and cpu-<family>.txt (what it printed), one pair per CPU
+family (`roofline.family_slug`: vendor, brand, AMD's Zen generation, widest extension tier,
+e.g. cpu-intel-xeon-amx, cpu-amd-epyc-zen4-avx512), cpu-throughput.png (output throughput
+against concurrency: the served path at each --served-concurrency, transformers at each static
+batch size, the offline engine with every request at once, llama-server at each slot count) and
+cpu-latency.png (the served path's TTFT and inter-token latency CDFs). The long-prompt section
+(bench/long_prompts.py, --no-long-prompts skips it) measures prefill at 512, 2k and 8k prompt
+tokens in process and served, against llama.cpp's `llama-bench -p` and `llama-server`, and the
+ITL of running streams while an 8k prompt is admitted. The last lines are `prefill ratio vs
+llama.cpp at 2k: X.XX` and `prefill ratio vs llama.cpp at 8k: X.XX` (skiff's in-process prefill
+tokens/s / llama-bench's), `throughput ratio vs llama.cpp: X.XX` (skiff served / llama-server
+at its best slot count), `single-stream ratio vs llama.cpp: X.XX` (skiff's decode steps of one
+request, prefill excluded as llama-bench's tg64 excludes it / llama-bench tg64; the two take
+turns three times and each keeps its best) and `throughput ratio vs transformers: X.XX`, after
+a `cpu: ...` line naming the CPU, its extensions and the ISA of skiff's C++ kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 
@@ -114,6 +118,20 @@ def single_decode(
     return n / t_engine, new_tokens / t_hf
 
 
+class Tee(io.TextIOBase):
+    """Writes through to `stream` and keeps a copy in `text`."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream, self.text = stream, io.StringIO()
+
+    def write(self, s: str) -> int:
+        self.stream.write(s)
+        return self.text.write(s)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--requests", type=int, default=32)
@@ -161,8 +179,21 @@ def main() -> None:
         action="store_false",
         help="skip the long-prompt section (prefill at 512/2k/8k tokens, ITL under an 8k one)",
     )
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu.json"))
+    p.add_argument(
+        "--out",
+        help="results JSON (default bench/results/cpu-<family>.json); the printed lines go "
+        "beside it, .txt",
+    )
     args = p.parse_args()
+    out = Path(args.out) if args.out else roofline.results_path(roofline.cpu_summary(), ".json")
+    printed = Tee(sys.stdout)
+    with contextlib.redirect_stdout(printed):
+        run(args, out)
+    out.with_suffix(".txt").write_text(printed.text.getvalue())
+
+
+def run(args: argparse.Namespace, out: Path) -> None:
+    """The sections, the report and the results JSON at `out`."""
     torch.manual_seed(0)
 
     from transformers import AutoModelForCausalLM
@@ -178,8 +209,10 @@ def main() -> None:
             print(f"llama.cpp skipped, {llama_missing}")
     machine = roofline.measure()
     linear = machine["cpu_linear_gflops"]
+    cpu_line = roofline.cpu_line()  # the CPU, its extensions, the kernels' ISA
+    print(cpu_line)
     print(
-        f"machine: {machine['cpu']}, fp32 GEMM {machine['fp32_gemm_gflops']:.0f} GFLOP/s "
+        f"machine: fp32 GEMM {machine['fp32_gemm_gflops']:.0f} GFLOP/s "
         f"(torch), {'n/a' if linear is None else f'{linear:.0f}'} GFLOP/s (skiff_cpu::linear, "
         f"{machine['kernels_isa']}, 256 x 1024 x 1024), "
         f"copy bandwidth {machine['copy_bandwidth_gbs']:.1f} GB/s, "
@@ -253,7 +286,7 @@ def main() -> None:
         for t in sorted({t for _, t in llama_rates}):
             series = {s: r for (s, t2), r in llama_rates.items() if t2 == t}
             peers[f"llama.cpp llama-server, {t} threads (x = slots, all at once)"] = series
-    out_dir = Path(args.out).parent
+    out_dir = out.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     served = None
     if args.served:
@@ -300,7 +333,7 @@ def main() -> None:
     if sampler:
         print("\nsampler per step (batched vs a naive per-request loop, same run):")
         report(*sampler)
-    Path(args.out).write_text(
+    out.write_text(
         json.dumps(
             {
                 "rows": rows,
@@ -327,6 +360,7 @@ def main() -> None:
     print("plots: " + ", ".join(str(p) for p in plots))
     skiff_served = served["tokens_per_s"] if served else None
     best_llama = max(llama_rates.values()) if llama_rates else None
+    print(cpu_line)
     if long:
         print("\n".join(long.ratio_lines()))
     for line in llamacpp.ratio_lines(

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import roofline  # noqa: E402
 from bench.workload import QUESTIONS, reference_workload, token_prompts  # noqa: E402
 from kernels import cpu_ops  # noqa: E402
 from services.offline import LLM, SamplingParams  # noqa: E402
@@ -95,6 +96,7 @@ def main() -> None:
     args = p.parse_args()
     if not cpu_ops.load():
         sys.exit("the C++ CPU ops do not build or run here (see the log above)")
+    print(roofline.cpu_line())
     engines: dict[str, LLM] = {}
     for name in ENGINES:
         start = time.perf_counter()

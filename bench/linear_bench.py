@@ -16,6 +16,7 @@ from statistics import median
 import torch
 from torch.nn import functional as F
 
+from bench import roofline
 from kernels import cpu_ops
 
 SHAPES = ((1536, 576), (576, 1536))  # (N, K): SmolLM2-135M's gate/up half and down projection
@@ -36,7 +37,7 @@ def main() -> None:
         raise SystemExit("the C++ CPU ops do not load here")
     if args.isa and not cpu_ops.use_isa(args.isa):
         raise SystemExit(f"this CPU has no {args.isa}")
-    print(f"cpu: {cpu_ops.cpu_model()}, isa {cpu_ops.isa()}, {args.threads} threads")
+    print(f"{roofline.cpu_line()}, {args.threads} threads")
     print(f"{args.weights} weights")
     stat = median if args.stat == "median" else min
     print(f"{args.stat} µs per call of {args.repeats}\n")

@@ -36,7 +36,7 @@ from openai import AsyncOpenAI
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import llamacpp  # noqa: E402
+from bench import llamacpp, roofline  # noqa: E402
 from bench.workload import TokenEncoder  # noqa: E402
 from services.gateway.config import GatewayConfig  # noqa: E402
 from services.launcher import Stack, StackConfig, free_port  # noqa: E402
@@ -282,7 +282,7 @@ def llama_server_ttft(
 
 @dataclass
 class LongPrompts:
-    """Every measurement of the section (seconds, tokens/s), for cpu.json and the report."""
+    """Every measurement of the section (seconds, tokens/s), for the results JSON and report."""
 
     sizes: list[int]
     prefill_s: dict[int, float]  # skiff in process
@@ -414,6 +414,8 @@ def main(argv: list[str] | None = None) -> None:
     from services.offline import LLM
 
     llm = LLM(enable_prefix_caching=False)
+    cpu = roofline.cpu_line()
+    print(cpu)
     llama, missing = None, "--no-llama-cpp"
     if args.llama_cpp:
         try:
@@ -435,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     for line in [*result.report(), *result.ratio_lines()]:
         print(line)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result.as_json(), indent=2))
+    Path(args.out).write_text(json.dumps({"cpu": cpu, **result.as_json()}, indent=2))
     print(f"wrote {args.out}")
 
 

@@ -1,5 +1,6 @@
-"""The machine's limits, measured in the benchmark's own run: CPU model and the vector/matrix
-extensions that matter to an LLM engine, fp32 GEMM GFLOP/s (torch matmul, and skiff's own
+"""The machine's limits, measured in the benchmark's own run: CPU model, family (which names the
+results file: `family_slug`), the vector/matrix extensions that matter to an LLM engine and the
+ISA skiff's C++ kernels picked, fp32 GEMM GFLOP/s (torch matmul, and skiff's own
 `skiff_cpu::linear` at a prefill-like shape) and memory bandwidth (a large tensor copy, bytes
 read plus written; and a large tensor sum, bytes read: what bounds a decode step)."""
 
@@ -7,29 +8,98 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import time
 from pathlib import Path
 
 import torch
 
 EXTENSIONS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+VENDORS = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
+BRANDS = ("xeon", "epyc", "threadripper", "ryzen", "core", "opteron")
 
 
 def cpu_summary(cpuinfo: str | None = None) -> dict[str, object]:
-    """Model name and which of EXTENSIONS the CPU flags list (from /proc/cpuinfo)."""
+    """Model name, vendor, family and model numbers (None where not listed) and which of
+    EXTENSIONS the CPU flags list (from /proc/cpuinfo; its first processor)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             cpuinfo = ""
-    model, flags = platform.processor(), set()
+    fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            model = value.strip()
-        elif key.strip() == "flags":
-            flags = set(value.split())
-    return {"model": model, **{ext: ext in flags for ext in EXTENSIONS}}
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+
+    def number(key: str) -> int | None:
+        return int(fields[key]) if fields.get(key, "").isdigit() else None
+
+    return {
+        "model": fields.get("model name") or platform.processor(),
+        "vendor": fields.get("vendor_id", ""),
+        "family": number("cpu family"),
+        "model_number": number("model"),
+        **{ext: ext in flags for ext in EXTENSIONS},
+    }
+
+
+def isa_tier(cpu: dict[str, object]) -> str:
+    """The widest extension tier the CPU lists: "amx", "avx512" (avx512f), "avx2" (with FMA)
+    or "base"."""
+    if cpu.get("amx_int8") or cpu.get("amx_bf16"):
+        return "amx"
+    if cpu.get("avx512f"):
+        return "avx512"
+    return "avx2" if cpu.get("avx2") and cpu.get("fma") else "base"
+
+
+def zen_generation(family: int | None, model: int | None) -> str | None:
+    """AMD's core generation from the cpuid family and model numbers (None: not a Zen)."""
+    if family == 23 and model is not None:  # 0x17
+        return "zen2" if model >= 0x30 else "zen1"
+    if family == 25 and model is not None:  # 0x19: Zen 4 at models 0x10-1f, 0x60-7f, 0xa0-af
+        return "zen4" if model >> 4 in (0x1, 0x6, 0x7, 0xA) else "zen3"
+    return "zen5" if family == 26 else None  # 0x1a
+
+
+def family_slug(cpu: dict[str, object]) -> str:
+    """The CPU family a results file is named for: vendor, brand, AMD's Zen generation where
+    the family numbers give it, and `isa_tier` (a VM that hides AVX-512 from a Zen 4 runs other
+    kernels, so it gets its own file), e.g. "intel-xeon-amx", "amd-epyc-zen4-avx512"."""
+    vendor = str(cpu.get("vendor", ""))
+    parts = [VENDORS.get(vendor) or re.sub(r"[^a-z0-9]+", "", vendor.lower()) or "unknown"]
+    words = re.findall(r"[a-z0-9]+", str(cpu.get("model", "")).lower())
+    parts.append(next((b for b in BRANDS if b in words), "cpu"))
+    if parts[0] == "amd":
+        family, model = cpu.get("family"), cpu.get("model_number")
+        zen = zen_generation(
+            family if isinstance(family, int) else None, model if isinstance(model, int) else None
+        )
+        parts += [zen] if zen else []
+    return "-".join([*parts, isa_tier(cpu)])
+
+
+def results_path(cpu: dict[str, object], suffix: str) -> Path:
+    """bench/results/cpu-<family_slug><suffix>: one results file per CPU family."""
+    return Path(__file__).resolve().parent / "results" / f"cpu-{family_slug(cpu)}{suffix}"
+
+
+def cpu_line(
+    cpu: dict[str, object] | None = None, isas: tuple[str | None, str | None] | None = None
+) -> str:
+    """One line naming the CPU, the extensions of EXTENSIONS it has and the ISA of skiff's C++
+    kernels (`cpu_ops.isa()`, `cpu_ops.int8_dot_isa()`; `kernel_isas()` where not given)."""
+    cpu = cpu_summary() if cpu is None else cpu
+    isa, int8_isa = kernel_isas() if isas is None else isas
+    numbers = f"family {cpu.get('family')} model {cpu.get('model_number')}"
+    has = " ".join(ext for ext in EXTENSIONS if cpu.get(ext)) or "none of " + ", ".join(EXTENSIONS)
+    kernels = f"skiff kernels {isa}, int8 dot {int8_isa}" if isa else "skiff C++ kernels off"
+    return (
+        f"cpu: {cpu.get('model')} ({cpu.get('vendor') or 'vendor unknown'}, {numbers}; "
+        f"family {family_slug(cpu)}), extensions: {has}; {kernels}"
+    )
 
 
 def _best_seconds(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
@@ -50,11 +120,12 @@ def gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / t / 1e9
 
 
-def kernels_isa() -> str | None:
-    """The instruction set the C++ CPU ops run with here (None: they do not run here)."""
+def kernel_isas() -> tuple[str | None, str | None]:
+    """The instruction sets skiff's C++ CPU ops run with here: `cpu_ops.isa()` and the Q8_0
+    dot's `cpu_ops.int8_dot_isa()` ((None, None): the ops do not run here)."""
     from kernels import cpu_ops
 
-    return cpu_ops.isa() if cpu_ops.load() else None
+    return (cpu_ops.isa(), cpu_ops.int8_dot_isa()) if cpu_ops.load() else (None, None)
 
 
 def cpu_linear_gflops(tokens: int = 256, n: int = 1024, repeats: int = 5) -> float | None:
@@ -85,9 +156,13 @@ def copy_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
 
 def measure() -> dict[str, object]:
     """Everything above, plus the 1-minute load average (others' work on a shared machine)."""
+    cpu = cpu_summary()
+    isa, int8_isa = kernel_isas()
     return {
-        "cpu": cpu_summary(),
-        "kernels_isa": kernels_isa(),
+        "cpu": cpu,
+        "family_slug": family_slug(cpu),
+        "kernels_isa": isa,
+        "int8_dot_isa": int8_isa,
         "load_average_1m": os.getloadavg()[0],
         "torch_threads": torch.get_num_threads(),
         "fp32_gemm_gflops": gemm_gflops(),
