@@ -35,6 +35,7 @@ from bench.workload import QUESTIONS, reference_workload, token_prompts  # noqa:
 from kernels import cpu_ops  # noqa: E402
 from services.offline import LLM, SamplingParams  # noqa: E402
 from services.worker.loader import gemv_layout  # noqa: E402
+from services.worker.weight_format import unpack_weights  # noqa: E402
 
 ENGINES = ("torch", "fp32", "bf16", "int8", "q8_0")
 
@@ -47,6 +48,7 @@ def build(name: str, max_num_seqs: int) -> LLM:
     # no prefix caching: the repeats and the served path must not reuse earlier runs' KV
     if name == "torch":
         llm = LLM(fused_cpu_decode=False, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+        unpack_weights(llm.runner.model)  # torch's ops read row-major weights
         gemv_layout(llm.runner.model)
         return llm
     return LLM(max_num_seqs=max_num_seqs, cpu_weights=name, enable_prefix_caching=False)

@@ -48,7 +48,9 @@ def linear(
     has succeeded, the C++ kernel: the panel kernel where `packed` holds the weight in panels
     (`cpu_ops.pack_panels`; int8 with its scales' panels `packed_scale`), else the row kernel
     (fp32, bf16, or int8 weights with their group scales `weight_scale` [out, in / 32]; it
-    hands shapes it does not cover back to torch); `F.linear` elsewhere."""
+    hands shapes it does not cover back to torch); `F.linear` elsewhere. A packed weight may be
+    a meta placeholder (services/worker/weight_format.py pack_panels): torch's fallback then
+    unpacks fp32 / bf16 panels per call."""
     if packed is not None and use_cpu_ops(x):
         y: torch.Tensor = torch.ops.skiff_cpu.linear_packed(
             x, packed, weight.shape[0], bias, packed_scale
@@ -57,6 +59,10 @@ def linear(
     if use_cpu_ops(x):
         out: torch.Tensor = torch.ops.skiff_cpu.linear(x, weight, bias, weight_scale)
         return out
+    if weight.is_meta:  # F.linear would read whatever memory it is given
+        if packed is None or packed.dim() != 3 or packed_scale is not None:
+            raise ValueError("a meta weight runs only from its fp32 / bf16 panels")
+        weight = cpu_ops.unpack_panels(packed, weight.shape[0])
     return F.linear(x, weight, bias)
 
 

@@ -14,8 +14,8 @@ agreement for speed, because a CPU decode step is bound by reading the weights.
 Every projection and the LM head are converted (a tied LM head gets its own copy, the
 embedding lookup stays fp32); norms, activations and the KV cache stay fp32. The C++ ops
 (`kernels/cpu_ops.py`) read all of them. Projections whose weight runs faster so also
-get a copy packed in panels for the panel kernel (`pack_panels`), in the same format; `q8_0`
-weights always do (`cpu_ops.pack_q8_panels`: the Q8_0 x Q8_0 kernel reads only panels).
+are packed in panels for the panel kernel instead (`pack_panels`), in the same format; `q8_0`
+weights always are (`cpu_ops.pack_q8_panels`: the Q8_0 x Q8_0 kernel reads only panels).
 """
 
 from __future__ import annotations
@@ -68,8 +68,10 @@ def pack_panels(model: nn.Module, weight_format: str = "fp32") -> list[str]:
     (int8: and `weight_panel_scale` [ceil(out / 16), in / 32, 16]); both the linear op and the
     fused decode then use them, so a projection computes the same bits on every path. With
     `weight_format` q8_0, every projection gets Q8_0 panels [ceil(out / 16), in / 4, 16, 4]
-    instead. Returns the names of the packed modules. The row-major weight stays (torch's
-    fallback reads it)."""
+    instead. Returns the names of the packed modules. A packed module's row-major weight (and
+    int8 scales) become placeholders on the meta device, shape and dtype kept: each weight runs
+    one kernel for every M, so nothing reads them, and the weights take 1x their bytes, not 2x
+    (torch's fallback, `cpu_ops.use(False)`, unpacks fp32 / bf16 panels: `ops.linear`)."""
     packed = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
@@ -78,15 +80,33 @@ def pack_panels(model: nn.Module, weight_format: str = "fp32") -> list[str]:
         if weight.dtype not in (torch.float32, torch.bfloat16, torch.int8):
             continue
         n, k = weight.shape
+        panel_scale: torch.Tensor | None
         if weight_format == "q8_0" and scale is not None:
-            q8, q8_scale = cpu_ops.pack_q8_panels(weight), cpu_ops.pack_panels(scale)
-            module.register_buffer("weight_panels", q8, persistent=False)
-            module.register_buffer("weight_panel_scale", q8_scale, persistent=False)
-            packed.append(name)
+            panels, panel_scale = cpu_ops.pack_q8_panels(weight), cpu_ops.pack_panels(scale)
         elif cpu_ops.linear_choice(n, k, weight.dtype) == "panels":
-            module.register_buffer("weight_panels", cpu_ops.pack_panels(weight), persistent=False)
-            if scale is not None:
-                panel_scale = cpu_ops.pack_panels(scale)
-                module.register_buffer("weight_panel_scale", panel_scale, persistent=False)
-            packed.append(name)
+            panels = cpu_ops.pack_panels(weight)
+            panel_scale = None if scale is None else cpu_ops.pack_panels(scale)
+        else:
+            continue
+        module.register_buffer("weight_panels", panels, persistent=False)
+        if panel_scale is not None:
+            module.register_buffer("weight_panel_scale", panel_scale, persistent=False)
+        module.weight = nn.Parameter(weight.detach().to("meta"), requires_grad=False)
+        if scale is not None:
+            module.weight_scale = scale.to("meta")
+        packed.append(name)
     return packed
+
+
+def unpack_weights(model: nn.Module) -> None:
+    """Undo `pack_panels` on fp32 / bf16 weights: each packed projection gets its row-major
+    weight back and loses its panels (bench/cpu_step.py's torch engine lays them out for torch)."""
+    for module in model.modules():
+        panels = getattr(module, "weight_panels", None)
+        if not isinstance(module, nn.Linear) or panels is None:
+            continue
+        if panels.dim() != 3 or getattr(module, "weight_panel_scale", None) is not None:
+            raise ValueError("only fp32 / bf16 panels unpack to the weights they were packed from")
+        weight = cpu_ops.unpack_panels(panels, module.weight.shape[0]).contiguous()
+        module.weight = nn.Parameter(weight, requires_grad=False)
+        del module.weight_panels

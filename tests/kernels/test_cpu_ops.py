@@ -221,11 +221,17 @@ def test_ops_linear_routes_packed_weights_to_the_panel_kernel():
         got = ops.linear(x, weight, bias, None, packed)
     assert "skiff_cpu::linear_packed" in {event.name for event in prof.events()}
     assert torch.equal(got, torch.ops.skiff_cpu.linear_packed(x, packed, 24, bias))
-    cpu_ops.use(False)  # torch's ops: the row-major weight
+    cpu_ops.use(False)  # torch's ops: the row-major weight, or the panels unpacked for a meta one
     try:
         torch.testing.assert_close(
             ops.linear(x, weight, bias, None, packed), F.linear(x, weight, bias)
         )
+        placeholder = weight.to("meta")  # services/worker/weight_format.py pack_panels
+        assert torch.equal(
+            ops.linear(x, placeholder, bias, None, packed), F.linear(x, weight, bias)
+        )
+        with pytest.raises(ValueError, match="meta weight"):
+            ops.linear(x, placeholder, bias)
     finally:
         cpu_ops.use(True)
 
