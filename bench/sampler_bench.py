@@ -7,6 +7,7 @@ batch 1, 32 and 256. "off" is greedy with nothing else; "on" turns every feature
 row: allowed_token_ids (a 45k-token whitelist), bad words, min_tokens, logit_bias, the three
 penalties over a 128-token history, temperature, min_p, top-k, top-p, a seed and 5 logprobs.
 The naive loop does the same per request with plain torch ops and full-vocabulary sorts.
+With every feature on at batch 256, each sampler stage (STAGES) is also timed on its own.
 
 python bench/sampler_bench.py   (bench/bench.py calls run_sampler_bench())
 """
@@ -17,6 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 from typing import TypedDict
@@ -32,7 +34,8 @@ from bench.workload import token_prompts  # noqa: E402
 from services.offline import LLM, SamplingParams  # noqa: E402
 from services.worker.input_batch import CachedRequestState, InputBatch  # noqa: E402
 from services.worker.model_runner import StepInputs  # noqa: E402
-from services.worker.sampler import Sampler  # noqa: E402
+from services.worker.sampler import Sampler, topk_topp  # noqa: E402
+from services.worker.sampler import sampler as sampler_module  # noqa: E402
 from services.worker.sampler.random import position_uniforms  # noqa: E402
 from services.worker.sampling_metadata import build_sampling_metadata  # noqa: E402
 
@@ -58,6 +61,19 @@ class DecodeShare(TypedDict):
     lm_head_ms: float
     all_on_256_fraction: float
     under_10_percent: bool
+    stages_ms: dict[str, float]  # median ms of each sampler stage with every feature on
+
+
+# Sampler stages timed one by one (all features on, DECODE_BATCH rows): (owner, attribute).
+STAGES: dict[str, tuple[object, str]] = {
+    "metadata": (sys.modules[__name__], "build_sampling_metadata"),
+    "fp32 copy + whitelist": (Sampler, "_working_logits"),
+    "bad words, min_tokens, bias": (sampler_module, "apply_logit_processors"),
+    "penalties": (sampler_module, "apply_penalties"),
+    "min-p, top-k, top-p cutoffs": (topk_topp, "compute_cutoffs"),
+    "draw": (sampler_module, "draw"),
+    "logprobs": (sampler_module, "_attach_logprobs"),
+}
 
 
 def params_for(features: str, i: int, vocab: int) -> SamplingParams:
@@ -181,6 +197,32 @@ def _sync(x: torch.Tensor) -> None:
         torch.cuda.synchronize()
 
 
+def stage_times(
+    case: Case, logits: torch.Tensor, eos: tuple[int, ...], reps: int
+) -> dict[str, float]:
+    """Median ms of each of STAGES over `reps` sampler steps (after a warm-up step)."""
+    times: dict[str, list[float]] = {name: [] for name in STAGES}
+
+    def timed(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def run(*args: object, **kwargs: object) -> object:
+            _sync(logits)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync(logits)
+            times[name].append(time.perf_counter() - start)
+            return out
+
+        return run
+
+    sampler = Sampler(seed=0)
+    with ExitStack() as stack:
+        for name, (owner, attr) in STAGES.items():
+            stack.enter_context(patch.object(owner, attr, timed(name, getattr(owner, attr))))
+        for _ in range(reps + 1):
+            batched_step(case, sampler, logits.clone(), eos)
+    return {name: 1e3 * statistics.median(t[1:]) for name, t in times.items() if len(t) > 1}
+
+
 def decode_step(llm: LLM, batch: int) -> tuple[float, float, torch.Tensor]:
     """Median ms of the model forward of `batch` decode tokens and of its LM head (logits),
     and one step's logits [batch, vocab]."""
@@ -233,6 +275,7 @@ def run_sampler_bench(device: str = "cpu") -> tuple[list[SamplerRow], DecodeShar
                 )
             )
     all_on = next(r for r in rows if r["batch"] == DECODE_BATCH and r["features"] == "on")
+    stages = stage_times(Case("on", step_logits), step_logits, eos, reps=5)
     decode_ms = forward_ms + head_ms
     share = DecodeShare(
         decode_step_ms=decode_ms,
@@ -240,6 +283,7 @@ def run_sampler_bench(device: str = "cpu") -> tuple[list[SamplerRow], DecodeShar
         lm_head_ms=head_ms,
         all_on_256_fraction=all_on["batched_ms"] / decode_ms,
         under_10_percent=all_on["batched_ms"] < 0.1 * decode_ms,
+        stages_ms=stages,
     )
     return rows, share
 
@@ -261,6 +305,9 @@ def report(rows: list[SamplerRow], last: DecodeShare) -> None:
         f"{100 * last['all_on_256_fraction']:.1f}% of a decode step; "
         f"< 10% of a decode step: {verdict}"
     )
+    print(f"its stages (median ms, each timed alone, same {DECODE_BATCH} rows):")
+    for name, ms in last["stages_ms"].items():
+        print(f"  {name:<28} {ms:7.2f}")
 
 
 if __name__ == "__main__":
