@@ -3,6 +3,8 @@
 // includes its vocabulary and then this file inside its own namespace and target region, and
 // fills its KernelTable at the end. No include guard: included once per instruction set.
 
+#include "tile_store.h"
+
 namespace {
 
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead in each weight row
@@ -128,14 +130,7 @@ inline void panel_tile(const float* x, const T* w, int64_t stride, const float* 
       for (int j = 0; j < V; ++j) acc[m][j] = vfmadd(xv, wv[j], acc[m][j]);
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    if (cols == NP * kPanel) {
-      for (int j = 0; j < V; ++j) vstore(y + m * N + n0 + j * W, acc[m][j]);
-    } else {
-      for (int j = 0; j < V; ++j) vstore(row + j * W, acc[m][j]);
-      std::copy_n(row, cols, y + m * N + n0);
-    }
-  }
+  store_tile(acc, y, N, n0, cols);
 }
 
 // Rows [0, MR) of x against panels [p_begin, p_end) over k in [k0, k1) (their rows from k0

@@ -4,6 +4,8 @@
 // Included by avx2_kernels.cpp and vnni_kernels.cpp inside their own namespace and target
 // region. No include guard: included once per instruction set.
 
+#include "tile_store.h"
+
 namespace {
 
 constexpr int kQ8Vecs = static_cast<int>(kPanel / W);  // int32 vectors across a panel
@@ -51,16 +53,7 @@ inline void q8_tile(const int8_t* xq, const float* x_scale, const int8_t* w, con
         }
       }
   }
-  const int64_t cols = std::min<int64_t>(NP * kPanel, N - n0);
-  alignas(64) float row[V * W];
-  for (int m = 0; m < MR; ++m) {
-    if (cols == NP * kPanel) {
-      for (int j = 0; j < V; ++j) vstore(y + m * N + n0 + j * W, acc[m][j]);
-    } else {
-      for (int j = 0; j < V; ++j) vstore(row + j * W, acc[m][j]);
-      std::copy_n(row, cols, y + m * N + n0);
-    }
-  }
+  store_tile(acc, y, N, n0, std::min<int64_t>(NP * kPanel, N - n0));
 }
 
 // Rows [0, MR) of x against panels [p_begin, p_end): tiles of kQ8Panels panels, then one.
