@@ -38,6 +38,19 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 SHAPES = [(8, 16), (13, 48), (130, 64), (962, 576)]  # (out_features, in_features)
 
 
+def stored_as(
+    weight_format: str, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """fp32 [N, K] -> (the weight stored as bf16 or group-scaled int8, int8's scales
+    [N, K / 32] or None, the fp32 weight the stored one stands for)."""
+    if weight_format == "bf16":
+        stored = weight.to(torch.bfloat16)
+        return stored, None, stored.float()
+    stored, scale = quantize_int8(weight)
+    groups = stored.float().view(weight.shape[0], -1, INT8_GROUP) * scale.unsqueeze(2)
+    return stored, scale, groups.view_as(weight)
+
+
 # M: 1 (no prefetch), 2-7 (tile remainders), 63/64/65/130 (64-row chunks).
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 7, 63, 64, 65, 130])
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
@@ -63,13 +76,7 @@ def test_lower_precision_weights_match_their_dequantized_reference(
     gen = torch.Generator().manual_seed(num_tokens + out_features)
     x = torch.randn(num_tokens, in_features, generator=gen)
     weight = torch.randn(out_features, in_features, generator=gen)
-    if weight_format == "bf16":
-        stored, scale = weight.to(torch.bfloat16), None
-        dequantized = stored.float()
-    else:
-        stored, scale = quantize_int8(weight)
-        groups = stored.float().view(out_features, -1, INT8_GROUP) * scale.unsqueeze(2)
-        dequantized = groups.view_as(weight)
+    stored, scale, dequantized = stored_as(weight_format, weight)
     got = torch.ops.skiff_cpu.linear(x, stored, None, scale)
     torch.testing.assert_close(got, reference(x, dequantized, None), rtol=1e-5, atol=1e-4)
     # and where the kernel does not apply (a transposed input dim), torch gets the same weight
@@ -157,13 +164,7 @@ def test_lower_precision_panels_match_their_dequantized_reference(
     gen = torch.Generator().manual_seed(num_tokens + 3 * out_features)
     x = torch.randn(num_tokens, in_features, generator=gen)
     weight = torch.randn(out_features, in_features, generator=gen)
-    if weight_format == "bf16":
-        stored, scale = weight.to(torch.bfloat16), None
-        dequantized = stored.float()
-    else:
-        stored, scale = quantize_int8(weight)
-        groups = stored.float().view(out_features, -1, INT8_GROUP) * scale.unsqueeze(2)
-        dequantized = groups.view_as(weight)
+    stored, scale, dequantized = stored_as(weight_format, weight)
     packed = cpu_ops.pack_panels(stored)
     packed_scale = None if scale is None else cpu_ops.pack_panels(scale)
     assert packed.dtype == stored.dtype
