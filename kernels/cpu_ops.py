@@ -24,6 +24,7 @@ CPU path keeps torch's own ops.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -227,27 +228,37 @@ def linear_choice(n: int, k: int, dtype: torch.dtype = torch.float32) -> str:
     """The kernel for weights [n, k] stored as `dtype` (fp32, bf16, or int8 with group
     scales): "panels" or "rows" (k % 16 != 0 leaves only panels). Timed on first asking for
     this CPU, instruction set, dtype and shape, then read from `linear-choice.json` in the
-    build folder."""
+    build folder. Processes starting together (a prefill and a decode worker, the engine a test
+    compares with) time a shape once under a file lock and all read that one choice, so they
+    compute the same bits."""
     global _choices
     if k % 16 != 0:
         return "panels"
     key = f"{cpu_model()} | {isa()} | {str(dtype).removeprefix('torch.')} {n}x{k}"
     path = _choice_file()
     with _lock:
-        if _choices is None:
+        if _choices is not None and key in _choices:
+            return _choices[key]
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
             try:
                 _choices = dict(json.loads(path.read_text()))
             except (OSError, ValueError):
                 _choices = {}
-        if key not in _choices:
-            ratios = []
-            for rows in _CHOICE_ROWS:
-                t = time_kernels(n, k, rows, weight=random_weight(n, k, dtype))
-                ratios.append(t["panels"] / t["rows"])
-            _choices[key] = "panels" if statistics.fmean(ratios) < 1 else "rows"
-            log.info("linear %s: %s (panels / rows time at M = %s: %s)", key, _choices[key],
-                     _CHOICE_ROWS, ", ".join(f"{r:.2f}" for r in ratios))  # fmt: skip
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(_choices, indent=1, sort_keys=True))
-            tmp.replace(path)
+            if key not in _choices:
+                _choices[key] = _time_choice(key, n, k, dtype)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(_choices, indent=1, sort_keys=True))
+                tmp.replace(path)
         return _choices[key]
+
+
+def _time_choice(key: str, n: int, k: int, dtype: torch.dtype) -> str:
+    ratios = []
+    for rows in _CHOICE_ROWS:
+        t = time_kernels(n, k, rows, weight=random_weight(n, k, dtype))
+        ratios.append(t["panels"] / t["rows"])
+    choice = "panels" if statistics.fmean(ratios) < 1 else "rows"
+    log.info("linear %s: %s (panels / rows time at M = %s: %s)", key, choice, _CHOICE_ROWS,
+             ", ".join(f"{r:.2f}" for r in ratios))  # fmt: skip
+    return choice

@@ -7,6 +7,8 @@ tests/worker/test_cpu_backend.py; the fused decode layer: tests/worker/test_cpu_
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -264,6 +266,22 @@ def test_linear_choice_is_timed_once_and_cached_on_disk(tmp_path, monkeypatch, c
     assert cpu_ops.linear_choice(96, 40) == "panels"  # only panels take K % 16 != 0
     key = f"{cpu_ops.cpu_model()} | {cpu_ops.isa()} | float32 96x64"
     assert key in (tmp_path / "choice.json").read_text()
+
+
+def test_linear_choice_takes_another_process_s_choice(tmp_path, monkeypatch):
+    """A choice another process timed and wrote after this one read the file wins over timing
+    it again, so every process on the machine runs the same kernel for a shape."""
+    path = tmp_path / "choice.json"
+    monkeypatch.setattr(cpu_ops, "_choice_file", lambda: path)
+    monkeypatch.setattr(cpu_ops, "_choices", {})  # read before the other process wrote
+    key = f"{cpu_ops.cpu_model()} | {cpu_ops.isa()} | float32 96x64"
+    path.write_text(json.dumps({key: "rows"}))
+
+    def no_timing(*args: object, **kwargs: object) -> dict[str, float]:
+        raise AssertionError("timed a shape another process had chosen")
+
+    monkeypatch.setattr(cpu_ops, "time_kernels", no_timing)
+    assert cpu_ops.linear_choice(96, 64) == "rows"
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 33])
