@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import re
 import signal
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,8 +34,23 @@ def pd_stack(launch_stack):
         scheduler=SchedulerConfig(max_model_len=4096, disaggregation_threshold=THRESHOLD),
         scheduler_metrics_port=free_port(),
     )
+    wait_for_both_workers(s)
     yield s
     s.stop()
+
+
+def wait_for_both_workers(stack, timeout_s: float = 600.0) -> None:
+    """The stack is up once one worker is ready; a request placed before the prefill worker
+    is would not be disaggregated."""
+    url = f"http://127.0.0.1:{stack.config.scheduler_metrics_port}/metrics"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        ready = re.search(r"^skiff_workers_ready (\S+)$", text, re.M)
+        if ready and float(ready.group(1)) == 2:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"the prefill and decode workers were not both ready in {timeout_s} s")
 
 
 def client_of(stack) -> OpenAI:
