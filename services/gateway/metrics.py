@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.gateway.engine_client import EngineClient
@@ -227,7 +227,8 @@ class _EngineStatsCollector(Collector):
 
 
 class _ShardRoutingCollector(Collector):
-    """Requests routed to each scheduler shard by reason, and the prompt tokens matched there."""
+    """Requests routed to each scheduler shard by reason, the prompt tokens matched there, and
+    the ready workers of each shard this gateway can route to (as its heartbeats tell)."""
 
     def __init__(self, shards: Shards) -> None:
         self.shards = shards
@@ -244,9 +245,18 @@ class _ShardRoutingCollector(Collector):
             "Prompt tokens of the requests routed to each shard that its prefix summary held.",
             labels=["shard"],
         )
+        ready = GaugeMetricFamily(
+            "skiff_gateway_shard_ready_workers",
+            "Ready workers of each scheduler shard by its last heartbeat; 0 while the shard is "
+            "unavailable to this gateway (silent, leaving or without workers).",
+            labels=["shard"],
+        )
         for index, shard in enumerate(self.shards):
             for reason in ROUTINGS:
                 routed.add_metric([str(index), reason], shard.routed[reason])
             matched.add_metric([str(index)], shard.matched_tokens)
+            available = self.shards.available(shard)
+            ready.add_metric([str(index)], shard.num_ready_workers if available else 0)
         yield routed
         yield matched
+        yield ready

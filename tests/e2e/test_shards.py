@@ -42,20 +42,26 @@ def shard_stats(stack) -> list[dict]:
 
 
 def wait_for_workers(stack) -> list[dict]:
+    """Every worker is on its shard, and the gateway has heard so from each shard's heartbeat
+    (until then it routes every request to the shards it knows to be ready)."""
     deadline = time.monotonic() + 30
     while True:
         stats = shard_stats(stack)
-        if sum(len(s["workers"]) for s in stats) == NUM_WORKERS:
+        gateway_view = [
+            gateway_counter(stack, "skiff_gateway_shard_ready_workers", f'{{shard="{i}"}}')
+            for i in range(NUM_SHARDS)
+        ]
+        if sum(len(s["workers"]) for s in stats) == NUM_WORKERS == sum(gateway_view):
             return stats
-        assert time.monotonic() < deadline, stats
+        assert time.monotonic() < deadline, (stats, gateway_view)
         time.sleep(0.2)
 
 
-def gateway_counter(stack, name: str) -> float:
+def gateway_counter(stack, name: str, labels: str = "") -> float:
     with urllib.request.urlopen(f"{stack.url}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    assert match, name
+    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)
+    assert match, name + labels
     return float(match.group(1))
 
 

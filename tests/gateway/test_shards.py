@@ -165,6 +165,9 @@ def test_routes_are_counted_per_shard_and_reason_and_exported():
     assert value("skiff_gateway_shard_requests_total", {"shard": "0", "reason": "load"}) == 0
     assert value("skiff_gateway_shard_requests_total", {"shard": "1", "reason": "load"}) == 1
     assert value("skiff_gateway_shard_prefix_matched_tokens_total", {"shard": "0"}) == 640
+    assert value("skiff_gateway_shard_ready_workers", {"shard": "1"}) == 1
+    shards[1].heartbeat(_beat(leaving=True))
+    assert value("skiff_gateway_shard_ready_workers", {"shard": "1"}) == 0
 
 
 def test_routing_settings_are_checked():
