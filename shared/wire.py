@@ -20,8 +20,19 @@ from shared.sampling_params import SamplingParams
 #    a worker's lower tiers and KV-transfer address in WorkerHello, SchedulerHeartbeat.block_size
 #    and .prefix_summary
 # 6: WorkerHello.role (prefill/decode disaggregation)
-PROTOCOL_VERSION = 6
+# 7: LoRA adapters: NewRequestData.lora, SubmitRequest.lora_name, WorkerHello.max_loras and
+#    .max_lora_rank, SchedulerHeartbeat.lora_adapters
+PROTOCOL_VERSION = 7
 M = TypeVar("M", bound=msgspec.Struct)
+
+
+class LoRARequest(msgspec.Struct, kw_only=True, frozen=True):
+    """A LoRA adapter a request runs with: its name (the `model` an API client sends) and its
+    PEFT checkpoint directory (`adapter_config.json`, `adapter_model.safetensors`) as the
+    workers see it."""
+
+    lora_name: str
+    lora_path: str
 
 
 class NewRequestData(msgspec.Struct, kw_only=True):
@@ -39,6 +50,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     output_token_ids: list[int] = []
     # W3C trace context of the scheduler's span of this request on this worker (tracing on)
     traceparent: str | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
@@ -183,6 +195,7 @@ class SubmitRequest(msgspec.Struct, kw_only=True):
     output_token_ids: list[int] = []
     priority: int = 0
     traceparent: str | None = None  # W3C trace context of the gateway's span (tracing on)
+    lora_name: str | None = None  # the adapter it runs with (the scheduler knows its path)
     version: int = PROTOCOL_VERSION
 
 
@@ -240,6 +253,7 @@ class SchedulerHeartbeat(msgspec.Struct, kw_only=True):
     # its workers hold in any tier (shared/prefix_summary.py; empty: none)
     block_size: int = 0
     prefix_summary: bytes = b""
+    lora_adapters: list[str] = []  # the LoRA adapters it serves, by name
     version: int = PROTOCOL_VERSION
 
 
@@ -324,6 +338,9 @@ class WorkerHello(msgspec.Struct, kw_only=True):
     # ("": none)
     kv_transfer_address: str = ""
     role: str = ROLE_MIXED  # one of WORKER_ROLES
+    # LoRA: adapters the worker holds at once in one batch, and their highest rank (0: off)
+    max_loras: int = 0
+    max_lora_rank: int = 0
     version: int = PROTOCOL_VERSION
 
 
