@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from kernels import cpu_ops, reference
 from kernels._checks import interpreting
+from kernels.lora_mapping import LoRAMapping
 
 _triton_on_cpu = False
 
@@ -64,6 +65,23 @@ def linear(
             raise ValueError("a meta weight runs only from its fp32 / bf16 panels")
         weight = cpu_ops.unpack_panels(packed, weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    mapping: LoRAMapping,
+) -> torch.Tensor:
+    """y [num_tokens, out] += each token's adapter update lora_b[s] @ lora_a[s] @ x[t], in
+    place; lora_a [num_slots, rank, in], lora_b [num_slots, out, rank]; tokens without an
+    adapter keep their bits. Each adapter's tokens are multiplied together, so a token's
+    result does not depend on which other adapters share the step."""
+    for slot, rows in mapping.groups:
+        shrunk = x.index_select(0, rows) @ lora_a[slot].t()  # [n, rank]
+        y.index_add_(0, rows, shrunk @ lora_b[slot].t())
+    return y
 
 
 def rms_norm(

@@ -103,3 +103,19 @@ def paged_attention(
         scores.masked_fill_(mask, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(query.dtype)
     return out
+
+
+def add_lora(
+    y: torch.Tensor,  # [num_tokens, out], updated in place
+    x: torch.Tensor,  # [num_tokens, in]
+    lora_a: torch.Tensor,  # [num_slots, rank, in]
+    lora_b: torch.Tensor,  # [num_slots, out, rank], the adapter's scaling folded in
+    token_lora_indices: torch.Tensor,  # [num_tokens] slot of each token's adapter, -1: none
+) -> torch.Tensor:
+    """y[t] += lora_b[s] @ (lora_a[s] @ x[t]) for each token t of slot s >= 0, one token at a
+    time in fp32 (the low-rank update of a LoRA adapter); tokens of slot -1 keep y[t]."""
+    for t, slot in enumerate(token_lora_indices.tolist()):
+        if slot >= 0:
+            shrunk = lora_a[slot].float() @ x[t].float()  # [rank]
+            y[t] += (lora_b[slot].float() @ shrunk).to(y.dtype)
+    return y
