@@ -31,12 +31,20 @@ from shared.sampling_params import (
     validate_sampling_params,
 )
 from shared.tokenizer import Tokenizer
-from shared.wire import BatchPlan, ModelRunnerOutput, TokenLogprobs, decoder, encode
+from shared.wire import (
+    BatchPlan,
+    LoRARequest,
+    ModelRunnerOutput,
+    TokenLogprobs,
+    decoder,
+    encode,
+)
 
 __all__ = [
     "LLM",
     "CompletionOutput",
     "GenerationOutput",
+    "LoRARequest",
     "PromptType",
     "SamplingParams",
     "TextPrompt",
@@ -129,6 +137,7 @@ class LLM:
                 max_num_seqs=rc.max_num_seqs,
                 max_model_len=self.runner.max_model_len,
                 block_size=rc.block_size,
+                max_loras=rc.max_loras if rc.enable_lora else 0,
                 **{k: v for k, v in config.items() if k in _SCHEDULER_KEYS},
             ),
             self.runner.num_blocks,
@@ -155,6 +164,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerationOutput]:
         """Run all prompts to completion together; outputs come back in prompt order.
 
@@ -163,7 +173,9 @@ class LLM:
         values are scheduled first (and preempted last). A prompt in another form, an invalid
         parameter, a prompt that does not fit the context, a `priority` list of another length
         or a non-zero priority under another policy raises `SamplingParamsError` (a
-        ValueError) before anything is scheduled.
+        ValueError) before anything is scheduled. `lora_request`: the LoRA adapter every
+        prompt runs with, or one per prompt (None: the base model); the engine needs
+        `enable_lora=True`.
         """
         batch: list[object]
         if isinstance(prompts, list | tuple) and not (prompts and isinstance(prompts[0], int)):
@@ -173,10 +185,13 @@ class LLM:
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(batch)
         priorities = self._check_priority(priority, len(batch))
+        loras = self._check_loras(lora_request, len(batch))
         checked = [self._check(prompt, p) for prompt, p in zip(batch, params_list, strict=True)]
         results: dict[str, GenerationOutput] = {}
         children: dict[str, tuple[str, int]] = {}
-        for (text, token_ids), p, prio in zip(checked, params_list, priorities, strict=True):
+        for (text, token_ids), p, prio, lora in zip(
+            checked, params_list, priorities, loras, strict=True
+        ):
             parent = f"gen-{next(self._ids)}"
             results[parent] = GenerationOutput(parent, text, token_ids, [])
             for i in range(p.n):
@@ -184,7 +199,7 @@ class LLM:
                 children[child] = (parent, i)
                 results[parent].outputs.append(CompletionOutput(i, "", []))
                 self.scheduler.add_request(
-                    Request(child, token_ids, p.for_choice(i), priority=prio)
+                    Request(child, token_ids, p.for_choice(i), priority=prio, lora=lora)
                 )
         for out in self._run():
             parent, i = children[out.req_id]
@@ -212,6 +227,24 @@ class LLM:
                     f"Got priority {value} but Priority scheduling is not enabled.", "priority"
                 )
         return list(priority)
+
+    def _check_loras(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+    ) -> list[LoRARequest | None]:
+        """Each prompt's adapter (None: the base model)."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * num_prompts
+        else:
+            loras = list(lora_request)
+        if len(loras) != num_prompts:
+            raise SamplingParamsError(
+                f"The lengths of prompts ({num_prompts}) and lora_request ({len(loras)}) must "
+                "be the same.",
+                "lora_request",
+            )
+        if any(loras) and not self.scheduler.config.max_loras:
+            raise SamplingParamsError("LoRA is not enabled: LLM(enable_lora=True)", "lora_request")
+        return loras
 
     def _check(self, prompt: object, params: SamplingParams) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt whose parameters are valid and that fits the context."""

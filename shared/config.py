@@ -72,6 +72,10 @@ class SchedulerConfig:
         "decoded on a decode worker, when the shard has both (docs/disaggregation.md)",
     )
 
+    max_loras: int = setting(
+        0, "LoRA adapters one worker's steps may hold at once (its hello's; 0: none)", cli=False
+    )
+
     def __post_init__(self) -> None:
         check_positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
         check_positive(self, "block_size")

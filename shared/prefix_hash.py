@@ -16,6 +16,14 @@ import msgspec
 ROOT_HASH = b"skiff-prefix-root"
 
 
+def prefix_root(lora_name: str | None = None) -> bytes:
+    """The parent hash of a sequence's first block: `ROOT_HASH` for the base model, one of its
+    own for each LoRA adapter (its KV differs from the base model's on the same tokens)."""
+    if lora_name is None:
+        return ROOT_HASH
+    return hashlib.sha256(msgspec.msgpack.encode((ROOT_HASH, "lora", lora_name))).digest()
+
+
 def hash_block(
     parent_hash: bytes, token_ids: list[int], extra_keys: tuple[object, ...] = ()
 ) -> bytes:

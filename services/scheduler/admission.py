@@ -4,6 +4,7 @@ within the rules of `shared.sampling_params`."""
 
 from __future__ import annotations
 
+from services.scheduler.lora_registry import LoRARegistry
 from services.scheduler.placement import Placement
 from services.scheduler.worker_pool import WorkerPool
 from shared.sampling_params import (
@@ -17,10 +18,13 @@ from shared.wire import SubmitReply, SubmitRequest
 class Admission:
     """Answers each `SubmitRequest` with the reply the gateway gets; `leaving` refuses all."""
 
-    def __init__(self, pool: WorkerPool, placement: Placement, max_waiting: int) -> None:
+    def __init__(
+        self, pool: WorkerPool, placement: Placement, max_waiting: int, loras: LoRARegistry
+    ) -> None:
         self.pool = pool
         self.placement = placement
         self.max_waiting = max_waiting
+        self.loras = loras
         self.leaving = False
 
     def check(self, sub: SubmitRequest) -> SubmitReply:
@@ -32,6 +36,12 @@ class Admission:
             return _reject(429, "the request queue is full")
         if sub.req_id in self.placement:
             return _reject(400, "duplicate request id")
+        if sub.lora_name is not None:
+            if sub.lora_name not in self.loras:
+                message = f"The model `{sub.lora_name}` does not exist."
+                return _reject(404, message, param="model")
+            if not any(w.healthy and w.hello.max_loras for w in self.pool.workers.values()):
+                return _reject(503, "no worker with LoRA adapters (--enable-lora) is ready")
         if sub.priority != 0 and self.pool.config.scheduling_policy != "priority":
             message = f"Got priority {sub.priority} but Priority scheduling is not enabled."
             return _reject(400, message, param="priority")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.scheduler.lora_registry import parse_lora_modules
 from shared.cli_args import setting
 from shared.config import (
     DEFAULT_LOG_LEVEL,
@@ -46,6 +47,17 @@ class SchedulerServiceConfig(NatsClientConfig):
         "of being re-placed again",
     )
     gateway_timeout: float = setting(15.0, "abort the requests of a gateway silent this long")
+    lora_modules: str = setting(
+        "",
+        "LoRA adapters served from the start, name=path separated by spaces or commas "
+        "(vLLM's --lora-modules; the workers need --enable-lora); a request names one as its "
+        "model",
+    )
+    lora_root: str = setting(
+        "",
+        "directory adapters loaded at run time (POST /v1/load_lora_adapter) must lie in, "
+        "relative paths taken from it (empty: runtime loading off)",
+    )
     metrics_host: str = setting("127.0.0.1", "address of the /metrics, /health, /ready server")
     metrics_port: int = setting(
         0, "serve Prometheus /metrics, /health and /ready on this port (0: off)"
@@ -84,6 +96,7 @@ class SchedulerServiceConfig(NatsClientConfig):
     def __post_init__(self) -> None:
         check_positive(self, "max_waiting")
         check_positive(self, "max_request_failures")
+        parse_lora_modules(self.lora_modules)
         if self.prefix_summary_max_bytes < MIN_MAX_BYTES:
             raise ValueError(f"prefix_summary_max_bytes must be >= {MIN_MAX_BYTES}")
         timeouts = (self.worker_timeout, self.step_timeout, self.gateway_timeout)

@@ -49,19 +49,19 @@ class KVCacheManager:
     def block_hashes(self, request: Request) -> list[bytes]:
         """Hashes of the request's full blocks, extended incrementally as tokens arrive."""
         hashes = self.req_block_hashes.setdefault(request.req_id, [])
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else request.prefix_root
         hashes.extend(
             iter_block_hashes(request.all_token_ids, self.block_size, len(hashes), parent)
         )
         return hashes
 
-    def num_cached_prefix_blocks(self, token_ids: list[int]) -> int:
-        """Leading full blocks of `token_ids`, in this manager's block size, found in the
-        prefix cache (no side effects)."""
+    def num_cached_prefix_blocks(self, token_ids: list[int], root: bytes = ROOT_HASH) -> int:
+        """Leading full blocks of `token_ids` (a sequence whose first block's parent hash is
+        `root`), in this manager's block size, found in the prefix cache (no side effects)."""
         if not self.pool.enable_caching:
             return 0
         num_hits = 0
-        for block_hash in iter_block_hashes(token_ids, self.block_size):
+        for block_hash in iter_block_hashes(token_ids, self.block_size, parent_hash=root):
             if self.pool.get_cached_block(block_hash) is None:
                 break
             num_hits += 1

@@ -121,6 +121,20 @@ class SchedulerMetrics:
         for role in WORKER_ROLES:
             for state in ("running", "waiting"):
                 self.role_requests.labels(role, state)
+        # vLLM's: one sample, its labels the adapters of the running and waiting requests
+        # (comma-separated) and the adapters a worker holds at once; its value the time
+        self.lora_requests_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
+        self.lora_requests = Gauge(
+            "skiff_lora_requests",
+            "Requests of each served LoRA adapter, running or waiting.",
+            ["adapter", "state"],
+            registry=r,
+        )
 
     def _add_liveness_metrics(self) -> None:
         """Workers, gateways and the requests their failures move or end."""

@@ -6,7 +6,9 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from shared.prefix_hash import prefix_root
 from shared.sampling_params import SamplingParams
+from shared.wire import LoRARequest
 
 if TYPE_CHECKING:
     from services.scheduler.handoff import Handoff
@@ -37,6 +39,7 @@ class Request:
         sampling_params: SamplingParams,
         output_token_ids: list[int] | None = None,
         priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
@@ -44,6 +47,7 @@ class Request:
         self.output_token_ids: list[int] = list(output_token_ids or [])
         self.all_token_ids = prompt_token_ids + self.output_token_ids
         self.priority = priority
+        self.lora = lora  # the LoRA adapter it runs with; None: the base model
         self.arrival_time = time.monotonic()
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -62,6 +66,15 @@ class Request:
         self.handoff: Handoff | None = None
         self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora is None else self.lora.lora_name
+
+    @property
+    def prefix_root(self) -> bytes:
+        """The parent hash of its first KV block (the base model's or its adapter's)."""
+        return prefix_root(self.lora_name)
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +101,7 @@ class Request:
             self.sampling_params,
             output_token_ids=self.output_token_ids,
             priority=self.priority,
+            lora=self.lora,
         )
         moved.arrival_time = self.arrival_time
         moved.num_failures = self.num_failures

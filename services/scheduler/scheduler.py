@@ -27,6 +27,7 @@ token); `update` fills placeholders with the real tokens and runs the stop check
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from services.scheduler.block_pool import KVBlock
@@ -44,7 +45,7 @@ from services.scheduler.prefill_pacer import SMOOTHING, PrefillPacer
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.request_queue import create_request_queue
 from shared.config import SchedulerConfig
-from shared.prefix_hash import iter_block_hashes
+from shared.prefix_hash import ROOT_HASH, iter_block_hashes
 from shared.wire import (
     BatchPlan,
     CachedRequestData,
@@ -117,6 +118,9 @@ class Scheduler:
             1, self.max_model_len // 25
         )
         self._long_prefill_s: float | None = None  # seconds left to this step's long prefills
+        # LoRA adapters admitted here, least recently first, at most max_loras: those the
+        # worker most likely holds in its adapter slots
+        self.resident_loras: OrderedDict[str, None] = OrderedDict()
         self._prefill_only: set[str] = set()  # requests to hand off once they sampled
         self.handed_off: dict[str, Request] = {}  # their blocks held until released
 
@@ -134,6 +138,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.req_id in self.requests:
             raise ValueError(f"duplicate request id {request.req_id!r}")
+        if request.lora is not None and not self.config.max_loras:
+            raise ValueError(f"request {request.req_id} needs LoRA; this worker has none")
         if request.num_tokens >= self.max_model_len:
             raise ValueError(
                 f"request {request.req_id} has {request.num_tokens} tokens; "
@@ -201,14 +207,14 @@ class Scheduler:
     def num_used_blocks(self) -> int:
         return self.kv.num_blocks - self.kv.num_free_blocks
 
-    def num_uncached_blocks(self, token_ids: list[int]) -> int:
-        """Full blocks of `token_ids`, in this worker's block size, not in the prefix cache of
-        any of its tiers."""
+    def num_uncached_blocks(self, token_ids: list[int], root: bytes = ROOT_HASH) -> int:
+        """Full blocks of `token_ids` (a sequence whose first block's parent hash is `root`),
+        in this worker's block size, not in the prefix cache of any of its tiers."""
         num_full = len(token_ids) // self.kv.block_size
         if not self.kv.tiers.enabled:
-            return num_full - self.kv.num_cached_prefix_blocks(token_ids)
+            return num_full - self.kv.num_cached_prefix_blocks(token_ids, root)
         pool, tiers, num_hits = self.kv.pool, self.kv.tiers, 0
-        for block_hash in iter_block_hashes(token_ids, self.kv.block_size):
+        for block_hash in iter_block_hashes(token_ids, self.kv.block_size, parent_hash=root):
             if pool.get_cached_block(block_hash) is None and tiers.lookup(block_hash) is None:
                 break
             num_hits += 1
@@ -397,8 +403,15 @@ class Scheduler:
         cached_reqs: list[CachedRequestData],
         kv_loads: list[KVLoad],
     ) -> int:
+        skipped: list[Request] = []  # waiting for one of the step's adapters to finish
+        active_loras = {r.lora_name for r in self.running if r.lora is not None}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            name = request.lora_name
+            full = len(active_loras) >= self.config.max_loras
+            if name is not None and name not in active_loras and full:
+                skipped.append(self.waiting.pop())
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             loading = self._load_prefix(request, hits, kv_loads)
             if loading:
@@ -433,13 +446,22 @@ class Scheduler:
                         sampling_params=request.sampling_params,
                         block_ids=new_block_ids,
                         num_computed_tokens=num_hit_tokens,
+                        lora=request.lora,
                     )
                 )
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if name is not None:
+                active_loras.add(name)
+                self.resident_loras[name] = None
+                self.resident_loras.move_to_end(name)
+                while len(self.resident_loras) > self.config.max_loras:
+                    self.resident_loras.popitem(last=False)
             num_scheduled[request.req_id] = num_new
             self._advance(request, num_new)
             budget -= num_new
+        for request in reversed(skipped):  # back in their places
+            self.waiting.prepend(request)
         return budget
 
     def _admitted(self, request: Request, num_hit_tokens: int) -> None:

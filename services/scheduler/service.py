@@ -19,6 +19,7 @@ from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.gateways import GatewayLiveness
 from services.scheduler.handoff import TRANSFERRED, Handoff
 from services.scheduler.liveness import Liveness
+from services.scheduler.lora_registry import LoRARegistry, parse_lora_modules
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.output_router import OutputRouter
 from services.scheduler.placement import Placement
@@ -58,7 +59,10 @@ class SchedulerService:
         self.metrics = SchedulerMetrics(config.served_model_name)
         self.pool = WorkerPool(scheduler_config)
         self.placement = Placement(self.pool, wake=self._wake, on_landed=self._handoff_landed)
-        self.admission = Admission(self.pool, self.placement, config.max_waiting)
+        self.loras = LoRARegistry(
+            parse_lora_modules(config.lora_modules), config.lora_root, config.served_model_name
+        )
+        self.admission = Admission(self.pool, self.placement, config.max_waiting, self.loras)
         self.router = OutputRouter(self._publish, self.subjects)
         self.liveness = Liveness(
             self.pool,
@@ -72,7 +76,12 @@ class SchedulerService:
         self.gateways = GatewayLiveness()
         self.num_orphans_aborted = 0
         self.telemetry = Telemetry(
-            self.epoch, self.pool, self.placement, self.metrics, config.prefix_summary_max_bytes
+            self.epoch,
+            self.pool,
+            self.placement,
+            self.metrics,
+            config.prefix_summary_max_bytes,
+            self.loras,
         )
         self.traces = RequestTraces(tracing.tracer) if tracing.tracer else None
         self.deadline = StepDeadline(config.step_timeout, config.step_timeout_per_token)
@@ -173,6 +182,7 @@ class SchedulerService:
             sub.sampling_params,
             output_token_ids=sub.output_token_ids,
             priority=sub.priority,
+            lora=None if sub.lora_name is None else self.loras.get(sub.lora_name),
         )
         started_ns = time.time_ns() if self.traces is not None else 0
         self.placement.place(request)

@@ -3,9 +3,12 @@ the Prometheus gauges and counters, all read from the workers' stats snapshots."
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 from prometheus_client import Counter
 
+from services.scheduler.lora_registry import LoRARegistry
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import Placement
 from services.scheduler.prefix_summaries import pool_prefix_summary
@@ -22,12 +25,14 @@ class Telemetry:
         placement: Placement,
         metrics: SchedulerMetrics,
         prefix_summary_max_bytes: int = DEFAULT_MAX_BYTES,
+        loras: LoRARegistry | None = None,
     ) -> None:
         self.epoch = epoch
         self.pool = pool
         self.placement = placement
         self.metrics = metrics
         self.prefix_summary_max_bytes = prefix_summary_max_bytes
+        self.loras = loras if loras is not None else LoRARegistry({})
         self._counted: dict[Counter, int] = {}  # totals already added to each counter
 
     def heartbeat(self, leaving: bool = False) -> SchedulerHeartbeat:
@@ -48,6 +53,7 @@ class Telemetry:
             leaving=leaving,
             block_size=block_size,
             prefix_summary=summary,
+            lora_adapters=self.loras.names,
         )
 
     def stats(self, num_orphans_aborted: int = 0) -> SchedulerStats:
@@ -99,10 +105,35 @@ class Telemetry:
         for role in WORKER_ROLES:
             for state in ("running", "waiting"):
                 m.role_requests.labels(role, state).set(by_role.get((role, state), 0))
+        self._refresh_lora_gauges()
         for counter, total in totals.items():  # counters follow totals kept by the cores
             counted = self._counted.get(counter, 0)
             counter.inc(max(total - counted, 0))
             self._counted[counter] = max(total, counted)
+
+    def _refresh_lora_gauges(self) -> None:
+        """Requests per adapter (every served one, 0 when none) and vLLM's info sample."""
+        counts: dict[tuple[str, str], int] = {}
+        for w in self.pool.workers.values():
+            for state, requests in (("running", w.core.running), ("waiting", w.core.waiting)):
+                for r in requests:
+                    if r.lora_name is not None:
+                        counts[r.lora_name, state] = counts.get((r.lora_name, state), 0) + 1
+        for r in self.placement.unplaced:
+            if r.lora_name is not None:
+                counts[r.lora_name, "waiting"] = counts.get((r.lora_name, "waiting"), 0) + 1
+        m = self.metrics
+        m.lora_requests.clear()
+        for name in self.loras.names:
+            for state in ("running", "waiting"):
+                m.lora_requests.labels(name, state).set(counts.get((name, state), 0))
+        max_lora = max((w.hello.max_loras for w in self.pool.workers.values()), default=0)
+        running = sorted({name for (name, state) in counts if state == "running"})
+        waiting = sorted({name for (name, state) in counts if state == "waiting"})
+        m.lora_requests_info.clear()
+        m.lora_requests_info.labels(str(max_lora), ",".join(running), ",".join(waiting)).set(
+            time.time()
+        )
 
     def _num_waiting(self, stats: list[WorkerStats]) -> int:
         return sum(s.num_waiting for s in stats) + len(self.placement.unplaced)

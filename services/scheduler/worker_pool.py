@@ -15,6 +15,12 @@ from services.scheduler.scheduler import Scheduler
 from shared.config import SchedulerConfig
 from shared.wire import ROLE_PREFILL, WorkerHello, WorkerStats
 
+# What loading a LoRA adapter into a worker's slots costs a request placed there, in tokens
+# of KV it would otherwise have to compute or hold: a worker already holding the adapter wins
+# unless it is this much busier (a rank-16 adapter of a small model loads in well under a
+# second; as many tokens prefill on a CPU in about as long).
+LORA_LOAD_COST_TOKENS = 512
+
 
 @dataclass
 class WorkerHandle:
@@ -69,6 +75,7 @@ class WorkerPool:
             max_num_seqs=min(self.config.max_num_seqs, hello.max_num_seqs),
             max_model_len=min(self.config.max_model_len, hello.max_model_len),
             block_size=hello.block_size,
+            max_loras=hello.max_loras,
         )
         if hello.role == ROLE_PREFILL:  # nothing decodes there: long prefills take full steps
             config = dataclasses.replace(config, long_prefill_step_time=0.0, long_prefill_share=1.0)
@@ -132,17 +139,21 @@ class WorkerPool:
         """The healthy worker where `request` costs least (`_cost`). Prefill workers take only
         the requests to disaggregate (`_disaggregates`), marked `prefill_only`; the others go
         to the decode and mixed workers, or to any worker when there are none."""
-        healthy = [w for w in self.workers.values() if w.healthy]
+        healthy = [w for w in self.workers.values() if w.healthy and _serves_lora(w, request)]
         if not healthy:
             raise LookupError("no worker is ready")
-        token_ids = request.all_token_ids
-        uncached = {w.worker_id: w.core.num_uncached_blocks(token_ids) for w in healthy}
+        token_ids, root = request.all_token_ids, request.prefix_root
+        uncached = {w.worker_id: w.core.num_uncached_blocks(token_ids, root) for w in healthy}
         prefill = [w for w in healthy if w.role == ROLE_PREFILL]
         serving = [w for w in healthy if w.role != ROLE_PREFILL]
+
+        def cost(w: WorkerHandle) -> tuple[int, int]:
+            return _cost(w, uncached[w.worker_id], request.lora_name)
+
         if prefill and serving and self._disaggregates(request, serving, uncached):
             request.prefill_only = True
-            return min(prefill, key=lambda w: _cost(w, uncached[w.worker_id]))
-        return min(serving or healthy, key=lambda w: _cost(w, uncached[w.worker_id]))
+            return min(prefill, key=cost)
+        return min(serving or healthy, key=cost)
 
     def select_decode(self, request: Request, source: WorkerHandle) -> WorkerHandle | None:
         """The healthy decode or mixed worker other than `source` where `request`, handed
@@ -150,11 +161,13 @@ class WorkerPool:
         targets = [
             w
             for w in self.workers.values()
-            if w.healthy and w.role != ROLE_PREFILL and w is not source
+            if w.healthy and w.role != ROLE_PREFILL and w is not source and _serves_lora(w, request)
         ]
-        token_ids = request.all_token_ids
+        token_ids, root, name = request.all_token_ids, request.prefix_root, request.lora_name
         return min(
-            targets, key=lambda w: _cost(w, w.core.num_uncached_blocks(token_ids)), default=None
+            targets,
+            key=lambda w: _cost(w, w.core.num_uncached_blocks(token_ids, root), name),
+            default=None,
         )
 
     def _disaggregates(
@@ -179,14 +192,25 @@ class WorkerPool:
         return min(uncached_tokens(w) for w in serving) > self.config.disaggregation_threshold
 
 
-def _cost(worker: WorkerHandle, num_uncached_blocks: int) -> tuple[int, int]:
+def _serves_lora(worker: WorkerHandle, request: Request) -> bool:
+    """Whether `worker` can run `request`: any worker a base request, one with LoRA slots an
+    adapter's."""
+    return request.lora is None or worker.hello.max_loras > 0
+
+
+def _cost(
+    worker: WorkerHandle, num_uncached_blocks: int, lora_name: str | None = None
+) -> tuple[int, int]:
     """What a request costs on `worker`, whose prefix cache (all tiers) lacks
     `num_uncached_blocks` of its full blocks: those plus the blocks in use there, counted in
     tokens (blocks of that worker's own size times its block size, so workers with different
     block sizes compare fairly), plus the tokens of the requests queued there and not yet
-    scheduled (so a burst spreads before any of it holds blocks); ties go to the worker holding
-    fewer requests."""
+    scheduled (so a burst spreads before any of it holds blocks), plus `LORA_LOAD_COST_TOKENS`
+    where the request's adapter is not among those the worker last ran; ties go to the worker
+    holding fewer requests."""
     core = worker.core
     blocks = num_uncached_blocks + core.num_used_blocks
     tokens = blocks * core.config.block_size + core.num_waiting_tokens
+    if lora_name is not None and lora_name not in core.resident_loras:
+        tokens += LORA_LOAD_COST_TOKENS
     return tokens, len(core.running) + len(core.waiting)
