@@ -19,12 +19,17 @@ class Admission:
     """Answers each `SubmitRequest` with the reply the gateway gets; `leaving` refuses all."""
 
     def __init__(
-        self, pool: WorkerPool, placement: Placement, max_waiting: int, loras: LoRARegistry
+        self,
+        pool: WorkerPool,
+        placement: Placement,
+        max_waiting: int,
+        loras: LoRARegistry | None = None,
     ) -> None:
+        """`loras`: the adapters requests may name (None: none)."""
         self.pool = pool
         self.placement = placement
         self.max_waiting = max_waiting
-        self.loras = loras
+        self.loras = loras if loras is not None else LoRARegistry({})
         self.leaving = False
 
     def check(self, sub: SubmitRequest) -> SubmitReply:

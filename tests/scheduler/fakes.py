@@ -19,6 +19,7 @@ def make_hello(
     max_model_len: int = 1024,
     max_num_seqs: int = 256,
     vocab_size: int = 1000,
+    max_loras: int = 0,
 ) -> WorkerHello:
     return WorkerHello(
         worker_id=worker_id,
@@ -31,6 +32,8 @@ def make_hello(
         device="cpu",
         vocab_size=vocab_size,
         eos_token_ids=[2],
+        max_loras=max_loras,
+        max_lora_rank=16 if max_loras else 0,
     )
 
 
