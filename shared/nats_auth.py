@@ -80,7 +80,9 @@ def permissions(user: NatsUser, prefix: str, num_shards: int) -> Permissions | N
         return None
     if user.role == GATEWAY:
         return Permissions(
-            publish=_unique(*(x for s in shards for x in (s.submit, s.abort)), *gateway_beats),
+            publish=_unique(
+                *(x for s in shards for x in (s.submit, s.abort, s.lora_adapters)), *gateway_beats
+            ),
             subscribe=_unique(
                 *(x for s in shards for x in (s.output("*"), s.scheduler_heartbeat)), inbox
             ),
@@ -97,6 +99,7 @@ def permissions(user: NatsUser, prefix: str, num_shards: int) -> Permissions | N
                     for x in (
                         s.submit,
                         s.abort,
+                        s.lora_adapters,
                         s.worker_hello,
                         s.worker_heartbeat,
                         s.worker_goodbye,
@@ -106,7 +109,7 @@ def permissions(user: NatsUser, prefix: str, num_shards: int) -> Permissions | N
                 ),
                 *gateway_beats,
             ),
-            allow_responses=True,  # submit and stats replies
+            allow_responses=True,  # submit, adapter and stats replies
         )
     own = [(Subjects(worker_prefix(prefix, w, num_shards)), w) for w in user.worker_ids]
     return Permissions(

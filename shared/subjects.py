@@ -51,6 +51,10 @@ class Subjects:
         return f"{self.prefix}.req.submit"
 
     @property
+    def lora_adapters(self) -> str:  # gateway -> scheduler, request-reply: LoRAAdapterChange
+        return f"{self.prefix}.lora.adapters"
+
+    @property
     def abort(self) -> str:  # gateway -> scheduler: AbortRequests
         return f"{self.prefix}.req.abort"
 

@@ -21,7 +21,7 @@ from shared.sampling_params import SamplingParams
 #    and .prefix_summary
 # 6: WorkerHello.role (prefill/decode disaggregation)
 # 7: LoRA adapters: NewRequestData.lora, SubmitRequest.lora_name, WorkerHello.max_loras and
-#    .max_lora_rank, SchedulerHeartbeat.lora_adapters
+#    .max_lora_rank, SchedulerHeartbeat.lora_adapters, LoRAAdapterChange/LoRAAdapterReply
 PROTOCOL_VERSION = 7
 M = TypeVar("M", bound=msgspec.Struct)
 
@@ -210,6 +210,26 @@ class SubmitReply(msgspec.Struct, kw_only=True):
     version: int = PROTOCOL_VERSION
 
 
+class LoRAAdapterChange(msgspec.Struct, kw_only=True):
+    """Load (`load`, from `lora_path`) or unload the LoRA adapter `lora_name`; a gateway asks
+    every scheduler shard (request-reply, `LoRAAdapterReply`)."""
+
+    lora_name: str
+    lora_path: str = ""
+    load: bool = True
+    version: int = PROTOCOL_VERSION
+
+
+class LoRAAdapterReply(msgspec.Struct, kw_only=True):
+    """Done, or refused with an HTTP-like status and the reason."""
+
+    ok: bool
+    status: int = 200
+    message: str = ""
+    lora_path: str = ""  # where the adapter lies, as the scheduler resolved it
+    version: int = PROTOCOL_VERSION
+
+
 class AbortRequests(msgspec.Struct, kw_only=True):
     req_ids: list[str]
     version: int = PROTOCOL_VERSION
@@ -253,7 +273,7 @@ class SchedulerHeartbeat(msgspec.Struct, kw_only=True):
     # its workers hold in any tier (shared/prefix_summary.py; empty: none)
     block_size: int = 0
     prefix_summary: bytes = b""
-    lora_adapters: list[str] = []  # the LoRA adapters it serves, by name
+    lora_adapters: dict[str, str] = {}  # the LoRA adapters it serves: name -> directory
     version: int = PROTOCOL_VERSION
 
 

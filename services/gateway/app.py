@@ -16,7 +16,7 @@ from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from services.gateway import chat, completions, tokenization
+from services.gateway import chat, completions, lora_admin, tokenization
 from services.gateway.config import GatewayConfig
 from services.gateway.context import GatewayContext
 from services.gateway.engine_client import EngineClient
@@ -78,7 +78,7 @@ def create_app(
     app.state.gateway = ctx
     app.state.tenants = Tenants(tenants, metrics)
     install_error_handlers(app)
-    for module in (completions, chat, tokenization):
+    for module in (completions, chat, tokenization, lora_admin):
         app.include_router(module.router(ctx))
     app.include_router(_service_router(ctx, app.state.tenants))
     app.add_middleware(
@@ -98,23 +98,28 @@ def _service_router(ctx: GatewayContext, tenants: Tenants) -> APIRouter:
 
     @api.get("/v1/models")
     async def list_models(request: Request) -> Payload:
+        """The base model and its LoRA adapters (`parent`: the base model), those the API
+        key may use."""
         ticket = ticket_of(request)
-        allowed = ticket is None or ticket.allows(ctx.served_model_name)
+        max_model_len = ctx.configured_max_model_len or ctx.engine.max_model_len
+        base = ctx.served_model_name
+        models: list[tuple[str, str, str | None]] = [(base, ctx.model_root or base, None)]
+        models += [(name, path, base) for name, path in sorted(ctx.engine.lora_adapters.items())]
         return {
             "object": "list",
             "data": [
                 {
-                    "id": ctx.served_model_name,
+                    "id": name,
                     "object": "model",
                     "created": ctx.created,
                     "owned_by": "skiff",
-                    "root": ctx.model_root or ctx.served_model_name,
-                    "parent": None,
-                    "max_model_len": ctx.configured_max_model_len or ctx.engine.max_model_len,
+                    "root": root,
+                    "parent": parent,
+                    "max_model_len": max_model_len,
                 }
-            ]
-            if allowed
-            else [],
+                for name, root, parent in models
+                if ticket is None or ticket.allows(name)
+            ],
         }
 
     @api.get("/admin/tenants")

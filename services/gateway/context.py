@@ -56,8 +56,16 @@ class GatewayContext:
         return value
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", "model")
+        self.resolve_model(name)
+
+    def resolve_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model, also when it
+        names none); an unknown model is a 404."""
+        if name is None or name == self.served_model_name:
+            return None
+        if name in self.engine.lora_adapters:
+            return name
+        raise APIError(404, f"The model `{name}` does not exist.", "model")
 
     def check_accepting(self) -> None:
         if self.draining:

@@ -23,7 +23,7 @@ from services.gateway.nats_transport import NatsTransport
 from services.gateway.request_stream import EngineError, RequestStream
 from services.gateway.shards import Shards
 from shared.bus import ConnectOptions
-from shared.wire import SubmitRequest
+from shared.wire import LoRAAdapterChange, LoRAAdapterReply, SubmitRequest
 
 __all__ = ["EngineClient", "EngineError", "NatsEngineClient", "RequestStream"]
 
@@ -41,12 +41,22 @@ class EngineClient(Protocol):
         """The context length the schedulers announced (the smallest), if known."""
         ...
 
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters the schedulers serve: name -> directory."""
+        ...
+
     async def submit(self, request: SubmitRequest) -> RequestStream:
         """Submit one request; raises `EngineError` when it is rejected or unanswered."""
         ...
 
     async def abort(self, req_ids: Sequence[str]) -> None:
         """Abort requests (client gone, stop string hit); unknown ids are ignored."""
+        ...
+
+    async def change_lora(self, change: LoRAAdapterChange) -> None:
+        """Load or unload a LoRA adapter on every scheduler; raises `EngineError` when one
+        refuses (a load is then undone where it succeeded)."""
         ...
 
 
@@ -111,6 +121,10 @@ class NatsEngineClient:
         return self.shards.max_model_len
 
     @property
+    def lora_adapters(self) -> dict[str, str]:
+        return self.shards.lora_adapters
+
+    @property
     def num_in_flight(self) -> int:
         return len(self.requests)
 
@@ -121,3 +135,38 @@ class NatsEngineClient:
 
     async def abort(self, req_ids: Sequence[str]) -> None:
         await self.requests.abort(req_ids)
+
+    async def change_lora(self, change: LoRAAdapterChange) -> None:
+        """Every shard heard from lately takes the change, or none does; this gateway knows
+        of it at once (the others from the shards' next heartbeats)."""
+        shards = [i for i, s in enumerate(self.shards) if self.shards.fresh(s)]
+        if not shards:
+            raise EngineError(503, "no scheduler is available")
+        results = await asyncio.gather(
+            *(self.transport.change_lora(i, change) for i in shards), return_exceptions=True
+        )
+        done = {
+            i: r
+            for i, r in zip(shards, results, strict=True)
+            if isinstance(r, LoRAAdapterReply) and r.ok
+        }
+        failed = [r for r in results if not (isinstance(r, LoRAAdapterReply) and r.ok)]
+        if change.load and failed:
+            undo = msgspec.structs.replace(change, load=False)
+            await asyncio.gather(
+                *(self.transport.change_lora(i, undo) for i in done), return_exceptions=True
+            )
+        if failed and (change.load or not done):
+            error = failed[0]
+            if isinstance(error, LoRAAdapterReply):
+                raise EngineError(error.status, error.message)
+            if isinstance(error, EngineError):
+                raise error
+            raise EngineError(503, f"the scheduler could not be reached: {error}")
+        for i, reply in done.items():
+            adapters = dict(self.shards[i].lora_adapters)
+            if change.load:
+                adapters[change.lora_name] = reply.lora_path
+            else:
+                adapters.pop(change.lora_name, None)
+            self.shards[i].lora_adapters = adapters

@@ -46,10 +46,13 @@ class Generation:
         arrival: float | None = None,
         priority: int = 0,
         on_tokens: Callable[[int], None] | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """`priority`: every choice's scheduling priority (lower first, as in vLLM);
-        `on_tokens`: called with the number of tokens of each update (the tenant's count)."""
+        `on_tokens`: called with the number of tokens of each update (the tenant's count);
+        `lora_name`: the LoRA adapter every choice runs with (None: the base model)."""
         self.engine = engine
+        self.model = lora_name  # the adapter responses name as their model
         self.priority = priority
         self.on_tokens = on_tokens
         self.metrics = metrics
@@ -69,6 +72,7 @@ class Generation:
                 sampling_params=c.spec.params,
                 priority=self.priority,
                 traceparent=self._spans.traceparent(i) if self._spans else None,
+                lora_name=self.model,
             )
             for i, c in enumerate(self.choices)
         ]

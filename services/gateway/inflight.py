@@ -104,7 +104,7 @@ class InFlightRequests:
     async def submit(self, request: SubmitRequest) -> RequestStream:
         if request.req_id in self._inflight:
             raise EngineError(400, f"request id {request.req_id!r} is already in flight")
-        shard = self.shards.choose()
+        shard = self.shards.choose(lora_name=request.lora_name)
         record = _InFlight(request, RequestStream(request.req_id), request.req_id, shard or 0)
         self._inflight[request.req_id] = record
         self._routes[record.engine_id] = record  # before submitting: deltas may beat the reply
@@ -171,8 +171,8 @@ class InFlightRequests:
         for record in orphans:
             self._fail(record, EngineError(503, "lost contact with the scheduler"))
 
-    def _choose(self, token_ids: list[int]) -> int:
-        route = self.shards.route(token_ids=token_ids)
+    def _choose(self, token_ids: list[int], lora_name: str | None) -> int:
+        route = self.shards.route(token_ids=token_ids, lora_name=lora_name)
         if route is None:
             raise EngineError(503, "no scheduler with ready workers is available")
         self.shards.count(route)
@@ -187,7 +187,9 @@ class InFlightRequests:
         unavailable: set[int] = set()  # answered 503 since the last heartbeat
         handed_over = False
         while self._holds(record):
-            route = self.shards.route(unavailable, record.request.prompt_token_ids)
+            route = self.shards.route(
+                unavailable, record.request.prompt_token_ids, record.request.lora_name
+            )
             if route is None:
                 if not await self.shards.wait_for_change(deadline):
                     raise error
@@ -199,7 +201,7 @@ class InFlightRequests:
                 await self._send(record, record.request, shard)
                 return
             except EngineError as e:
-                other = self.shards.choose(exclude={shard})
+                other = self.shards.choose(exclude={shard}, lora_name=record.request.lora_name)
                 if e.status == 429 and not handed_over and other is not None:
                     handed_over = True
                 elif e.status != 503:
@@ -240,7 +242,10 @@ class InFlightRequests:
         delay = 0.1
         while self._holds(record):
             try:
-                shard = self._choose(record.request.prompt_token_ids + record.output_token_ids)
+                shard = self._choose(
+                    record.request.prompt_token_ids + record.output_token_ids,
+                    record.request.lora_name,
+                )
                 await self._send(record, self._continuation(record), shard)
                 self.stats.migrated += 1
                 return

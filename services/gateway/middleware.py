@@ -72,6 +72,7 @@ class RequestContextMiddleware:
 
 
 ADMIN_PREFIX = "/admin/"
+ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # admin routes under /v1
 
 
 class TenantMiddleware:
@@ -81,7 +82,7 @@ class TenantMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
-        admin_route = path.startswith(ADMIN_PREFIX)
+        admin_route = path.startswith(ADMIN_PREFIX) or path in ADMIN_PATHS
         if not (path.startswith("/v1") or admin_route):
             await self.app(scope, receive, send)
             return

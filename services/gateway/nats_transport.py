@@ -27,6 +27,8 @@ from shared.subjects import Subjects
 from shared.tasks import BackgroundTasks
 from shared.wire import (
     AbortRequests,
+    LoRAAdapterChange,
+    LoRAAdapterReply,
     OutputBatch,
     SchedulerHeartbeat,
     SubmitReply,
@@ -91,6 +93,23 @@ class NatsTransport:
             raise EngineError(503, "no scheduler is listening") from None
         except TimeoutError:
             await self.abort(shard, [request.req_id])  # it may have been accepted after all
+            raise EngineError(503, "the scheduler did not answer in time") from None
+        except (nats.errors.Error, msgspec.DecodeError, OSError) as e:
+            raise EngineError(503, f"the scheduler could not be reached: {e}") from None
+
+    async def change_lora(self, shard: int, change: LoRAAdapterChange) -> LoRAAdapterReply:
+        """Request-reply on a shard's adapter subject; raises EngineError(503) when
+        unanswered."""
+        if self._nc is None:
+            raise EngineError(503, "the gateway is not connected to NATS")
+        subject = self.shards[shard].subjects.lora_adapters
+        try:
+            return await bus.request(
+                self._nc, subject, change, LoRAAdapterReply, self.submit_timeout
+            )
+        except nats.errors.NoRespondersError:
+            raise EngineError(503, "no scheduler is listening") from None
+        except TimeoutError:
             raise EngineError(503, "the scheduler did not answer in time") from None
         except (nats.errors.Error, msgspec.DecodeError, OSError) as e:
             raise EngineError(503, f"the scheduler could not be reached: {e}") from None

@@ -222,3 +222,19 @@ class TokenizeChatRequest(_Body):
 class DetokenizeRequest(_Body):
     model: Text | None = None
     tokens: list[TokenId]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/unload_lora_adapter body (`lora_int_id` is accepted and unused)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = None

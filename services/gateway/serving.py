@@ -221,7 +221,7 @@ class ResponseFormatter(ABC):
             "id": self.id,
             "object": kind,
             "created": self.created,
-            "model": self.ctx.served_model_name,
+            "model": self.gen.model or self.ctx.served_model_name,
         }
 
     def usage(self) -> Payload:
@@ -275,10 +275,10 @@ class Endpoint(ABC, Generic[BodyT]):
     async def serve(self) -> Response:
         ctx, body = self.ctx, self.body
         ctx.check_accepting()
-        ctx.check_model(body.model)
+        lora_name = ctx.resolve_model(body.model)
         ticket = ticket_of(self.request)
         if ticket is not None:
-            ticket.check_model(ctx.served_model_name)
+            ticket.check_model(lora_name or ctx.served_model_name)
         self.check()
         max_model_len = ctx.max_model_len()
         check_sizes(body, ctx.encoder)
@@ -289,7 +289,14 @@ class Endpoint(ABC, Generic[BodyT]):
         specs = choice_specs(ctx, body, prompts, self.sampling(), structure, max_model_len)
         on_tokens = ticket.generation_tokens if ticket is not None else None
         gen = Generation(
-            ctx.engine, ctx.tokenizer, ctx.metrics, specs, self.arrival, body.priority, on_tokens
+            ctx.engine,
+            ctx.tokenizer,
+            ctx.metrics,
+            specs,
+            self.arrival,
+            body.priority,
+            on_tokens,
+            lora_name,
         )
         await gen.start()
         if ticket is not None:  # once per prompt, as usage counts them

@@ -28,7 +28,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from shared.prefix_hash import iter_block_hashes
+from shared.prefix_hash import iter_block_hashes, prefix_root
 from shared.prefix_summary import PrefixSummary
 from shared.subjects import Subjects, shard_prefixes
 from shared.wire import SchedulerHeartbeat
@@ -65,6 +65,7 @@ class ShardState:
     submitted: int = 0  # requests this gateway submitted to it since its last heartbeat
     block_size: int = 0  # of its workers' KV blocks (0: not announced)
     prefix_summary: PrefixSummary = field(default_factory=PrefixSummary)  # the blocks they hold
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # name -> directory
     # Requests routed to it by reason, and the prompt tokens its prefix summary matched
     routed: Counter[RoutingReason] = field(default_factory=Counter)
     matched_tokens: int = 0
@@ -82,6 +83,7 @@ class ShardState:
         self.kv_cache_usage = beat.kv_cache_usage
         self.leaving = beat.leaving
         self.block_size = beat.block_size
+        self.lora_adapters = beat.lora_adapters
         try:
             self.prefix_summary = PrefixSummary(beat.prefix_summary)
         except ValueError as e:
@@ -175,26 +177,45 @@ class Shards:
         ]
         return min(fresh or known, default=None)
 
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters the available shards serve (name -> directory), the union."""
+        adapters: dict[str, str] = {}
+        for shard in self._states:
+            if self.available(shard):
+                adapters.update(shard.lora_adapters)
+        return adapters
+
     def choose(
-        self, exclude: Collection[int] = (), token_ids: list[int] | None = None
+        self,
+        exclude: Collection[int] = (),
+        token_ids: list[int] | None = None,
+        lora_name: str | None = None,
     ) -> int | None:
         """The index of the available shard not in `exclude` that a request of `token_ids`
-        goes to (`route`), if any."""
-        route = self.route(exclude, token_ids)
+        (and adapter `lora_name`) goes to (`route`), if any."""
+        route = self.route(exclude, token_ids, lora_name)
         return None if route is None else route.shard
 
     def route(
-        self, exclude: Collection[int] = (), token_ids: list[int] | None = None
+        self,
+        exclude: Collection[int] = (),
+        token_ids: list[int] | None = None,
+        lora_name: str | None = None,
     ) -> Route | None:
         """Where a request of `token_ids` goes among the available shards not in `exclude`:
         by prefix, to the one whose summary holds the longest prefix of its block-hash chain
         (the least loaded of those), unless it has more than `max_imbalance` requests per
         ready worker beyond the least loaded shard or that one holds nothing; otherwise to the
-        least loaded shard (the lowest index on a tie). None when no shard is available."""
+        least loaded shard (the lowest index on a tie). A request of the LoRA adapter
+        `lora_name` goes only to shards serving it, and its chain starts at the adapter's
+        root. None when no shard is available."""
         candidates = [
             (s.load, i)
             for i, s in enumerate(self._states)
-            if i not in exclude and self.available(s)
+            if i not in exclude
+            and self.available(s)
+            and (lora_name is None or lora_name in s.lora_adapters)
         ]
         if not candidates:
             return None
@@ -208,7 +229,11 @@ class Shards:
             if shard.block_size > 0 and shard.prefix_summary:
                 chain = chains.get(shard.block_size)
                 if chain is None:
-                    chain = list(iter_block_hashes(token_ids, shard.block_size))
+                    chain = list(
+                        iter_block_hashes(
+                            token_ids, shard.block_size, parent_hash=prefix_root(lora_name)
+                        )
+                    )
                     chains[shard.block_size] = chain
                 matched[i] = shard.prefix_summary.longest_prefix(chain) * shard.block_size
         _, load, best = min((-matched.get(i, 0), load, i) for load, i in candidates)

@@ -66,6 +66,11 @@ class LoRARegistry:
     def names(self) -> list[str]:
         return sorted(self._adapters)
 
+    @property
+    def paths(self) -> dict[str, str]:
+        """Each adapter's directory, by name."""
+        return {name: self._adapters[name].lora_path for name in self.names}
+
     def resolve(self, name: str, path: str) -> LoRARequest:
         """The adapter a runtime load of `path` as `name` would add; refuses a bad name, a
         name taken, runtime loading off, or a path outside the root (relative paths are

@@ -19,7 +19,7 @@ from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.gateways import GatewayLiveness
 from services.scheduler.handoff import TRANSFERRED, Handoff
 from services.scheduler.liveness import Liveness
-from services.scheduler.lora_registry import LoRARegistry, parse_lora_modules
+from services.scheduler.lora_registry import LoRARegistry, LoRARegistryError, parse_lora_modules
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.output_router import OutputRouter
 from services.scheduler.placement import Placement
@@ -38,6 +38,8 @@ from shared.tasks import BackgroundTasks
 from shared.wire import (
     AbortRequests,
     GatewayHeartbeat,
+    LoRAAdapterChange,
+    LoRAAdapterReply,
     ModelRunnerOutput,
     SchedulerHeartbeat,
     SchedulerStats,
@@ -104,6 +106,7 @@ class SchedulerService:
             nc, s.submit, SubmitRequest, self._on_submit, on_malformed=self._on_malformed_submit
         )
         await bus.subscribe(nc, s.abort, AbortRequests, self._on_abort)
+        await bus.serve(nc, s.lora_adapters, LoRAAdapterChange, self._on_lora_change)
         await bus.subscribe(nc, s.worker_hello, WorkerHello, self._on_hello)
         await bus.subscribe(nc, s.worker_heartbeat, WorkerHello, self._on_hello)
         await bus.subscribe(nc, s.worker_goodbye, WorkerGoodbye, self._on_goodbye)
@@ -163,6 +166,21 @@ class SchedulerService:
         else:
             self.metrics.rejected.labels(str(reply.status)).inc()
         return reply
+
+    async def _on_lora_change(self, change: LoRAAdapterChange) -> LoRAAdapterReply:
+        """Load or unload an adapter. Requests running with an unloaded one finish with it;
+        new ones naming it are refused."""
+        try:
+            if change.load:
+                lora = self.loras.resolve(change.lora_name, change.lora_path)
+                self.loras.add(lora)
+                log.info("LoRA adapter %s loaded from %s", lora.lora_name, lora.lora_path)
+            else:
+                lora = self.loras.remove(change.lora_name)
+                log.info("LoRA adapter %s unloaded", lora.lora_name)
+        except LoRARegistryError as e:
+            return LoRAAdapterReply(ok=False, status=e.status, message=e.message)
+        return LoRAAdapterReply(ok=True, lora_path=lora.lora_path)
 
     def _on_malformed_submit(self, error: str) -> SubmitReply:
         self.metrics.rejected.labels("400").inc()

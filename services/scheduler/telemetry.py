@@ -53,7 +53,7 @@ class Telemetry:
             leaving=leaving,
             block_size=block_size,
             prefix_summary=summary,
-            lora_adapters=self.loras.names,
+            lora_adapters=self.loras.paths,
         )
 
     def stats(self, num_orphans_aborted: int = 0) -> SchedulerStats:

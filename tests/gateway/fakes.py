@@ -14,6 +14,7 @@ from services.gateway.engine_client import EngineError, RequestStream
 from shared.default_model import DEFAULT_MODEL_NAME
 from shared.tokenizer import Tokenizer
 from shared.wire import (
+    LoRAAdapterChange,
     SubmitRequest,
     TokenDelta,
     TokenLogprobs,
@@ -37,6 +38,7 @@ class FakeEngine:
         self.delay = delay
         self.ready = True
         self.max_model_len: int | None = MAX_MODEL_LEN
+        self.lora_adapters: dict[str, str] = {}
         self.reject: EngineError | None = None
         self.fail_after: int | None = None  # lose requests after this many tokens
         self.submitted: list[SubmitRequest] = []
@@ -57,6 +59,17 @@ class FakeEngine:
             task = self._tasks.pop(req_id, None)
             if task is not None:
                 task.cancel()
+
+    async def change_lora(self, change: LoRAAdapterChange) -> None:
+        """Adapters by name, as a scheduler keeps them (no root, no files)."""
+        if change.load:
+            if change.lora_name in self.lora_adapters:
+                raise EngineError(
+                    400, f"The lora adapter '{change.lora_name}' has already been loaded."
+                )
+            self.lora_adapters[change.lora_name] = change.lora_path
+        elif self.lora_adapters.pop(change.lora_name, None) is None:
+            raise EngineError(404, f"The lora adapter '{change.lora_name}' cannot be found.")
 
     async def _run(self, request: SubmitRequest, stream: RequestStream) -> None:
         params = request.sampling_params

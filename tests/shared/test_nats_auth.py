@@ -38,8 +38,10 @@ def test_gateway_permissions_cover_every_shard_and_nothing_of_workers():
     assert perms.publish == (
         "p.shard0.req.submit",
         "p.shard0.req.abort",
+        "p.shard0.lora.adapters",
         "p.shard1.req.submit",
         "p.shard1.req.abort",
+        "p.shard1.lora.adapters",
         "p.gateway.heartbeat",
         "p.shard0.gateway.heartbeat",
         "p.shard1.gateway.heartbeat",
@@ -60,6 +62,7 @@ def test_scheduler_permissions_answer_requests_without_an_inbox():
     assert perms.subscribe == (
         "p.req.submit",
         "p.req.abort",
+        "p.lora.adapters",
         "p.worker.hello",
         "p.worker.heartbeat",
         "p.worker.goodbye",
