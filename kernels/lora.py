@@ -1,12 +1,14 @@
 """Batched LoRA (Punica-style) as two Triton kernels over a per-token adapter slot; see
 reference.add_lora.
 
-`shrink`: buffer[t] = lora_a[s] @ x[t] ([rank], fp32); `expand`: y[t] += lora_b[s] @ buffer[t]
-in fp32, rounded once into y. s = token_lora_indices[t]; tokens of slot -1 are skipped by
-both kernels (their y is neither read nor written). Each program serves one token, so a
-token's bits do not depend on the other tokens of the call. The adapter's scaling is folded
-into lora_b by the caller. Slots are not range-checked (that would cost a device sync per
-projection): the caller's mapping holds only loaded slots.
+`shrink`: buffer[t, k] = lora_a[s, :, K_k] @ x[t, K_k] ([rank], fp32), split over slices
+K_k of SPLIT_K input features so a decode step's few tokens still fill the GPU; `expand`:
+y[t] += lora_b[s] @ sum_k buffer[t, k] in fp32 (slices summed in order), rounded once into y.
+s = token_lora_indices[t]; tokens of slot -1 are skipped by both kernels (their y is neither
+read nor written). Each program serves one token and the splits depend on in_features only,
+so a token's bits do not depend on the other tokens of the call. The adapter's scaling is
+folded into lora_b by the caller. Slots are not range-checked (that would cost a device sync
+per projection): the caller's mapping holds only loaded slots.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from kernels._checks import INDEX_DTYPES, check, check_device, check_shape, next
 
 MAX_BLOCK_RANK = 64  # rank block of a program; larger ranks are split over programs / loops
 TILE = 4096  # elements of the fp32 weight tile a program holds (rank block x in/out block)
+SPLIT_K = 512  # input features a shrink program sums
 
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _shrink_kernel(
     x_ptr: tl.tensor,  # [num_tokens, in]
     lora_a_ptr: tl.tensor,  # [num_slots, rank, in]
-    buffer_ptr: tl.tensor,  # [num_tokens, rank] fp32
+    buffer_ptr: tl.tensor,  # [num_tokens, num_splits, rank] fp32
     indices_ptr: tl.tensor,  # [num_tokens]
     rank: tl.tensor,
     in_features: tl.tensor,
@@ -33,6 +36,8 @@ def _shrink_kernel(
     stride_a_slot: tl.tensor,
     stride_a_rank: tl.tensor,
     stride_buffer: tl.tensor,
+    stride_buffer_split: tl.tensor,
+    SPLIT_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ) -> None:
@@ -43,25 +48,30 @@ def _shrink_kernel(
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     row_mask = rows < rank
     a_rows = lora_a_ptr + slot * stride_a_slot + rows[:, None] * stride_a_rank
+    split = tl.program_id(2)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
+    for k0 in range(split * SPLIT_K, split * SPLIT_K + SPLIT_K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         col_mask = cols < in_features
         x = tl.load(x_ptr + token * stride_x + cols, mask=col_mask, other=0.0)
         a = tl.load(a_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
         acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    tl.store(buffer_ptr + token * stride_buffer + rows, acc, mask=row_mask)
+    tl.store(
+        buffer_ptr + token * stride_buffer + split * stride_buffer_split + rows, acc, mask=row_mask
+    )
 
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _expand_kernel(
-    buffer_ptr: tl.tensor,  # [num_tokens, rank] fp32
+    buffer_ptr: tl.tensor,  # [num_tokens, num_splits, rank] fp32
     lora_b_ptr: tl.tensor,  # [num_slots, out, rank]
     y_ptr: tl.tensor,  # [num_tokens, out], updated in place
     indices_ptr: tl.tensor,  # [num_tokens]
     rank: tl.tensor,
     out_features: tl.tensor,
+    num_splits: tl.tensor,
     stride_buffer: tl.tensor,
+    stride_buffer_split: tl.tensor,
     stride_b_slot: tl.tensor,
     stride_b_out: tl.tensor,
     stride_y: tl.tensor,
@@ -79,7 +89,10 @@ def _expand_kernel(
     for r0 in range(0, rank, BLOCK_R):
         ranks = r0 + tl.arange(0, BLOCK_R)  # [BLOCK_R]
         rank_mask = ranks < rank
-        shrunk = tl.load(buffer_ptr + token * stride_buffer + ranks, mask=rank_mask, other=0.0)
+        partials = buffer_ptr + token * stride_buffer + ranks
+        shrunk = tl.load(partials, mask=rank_mask, other=0.0)
+        for k in range(1, num_splits):
+            shrunk += tl.load(partials + k * stride_buffer_split, mask=rank_mask, other=0.0)
         b = tl.load(b_rows + ranks[None, :], mask=out_mask[:, None] & rank_mask[None, :], other=0.0)
         acc += tl.sum(b.to(tl.float32) * shrunk[None, :], axis=1)
     y_row = y_ptr + token * stride_y + outs
@@ -112,18 +125,19 @@ def add_lora(
     check_device(y, x, lora_a, lora_b, token_lora_indices)
     if num_tokens == 0 or out_features == 0 or rank == 0 or num_slots == 0:
         return y
-    buffer = torch.empty(num_tokens, rank, dtype=torch.float32, device=y.device)  # [t, rank]
+    num_splits = max(1, triton.cdiv(in_features, SPLIT_K))
+    buffer = torch.empty(num_tokens, num_splits, rank, dtype=torch.float32, device=y.device)
     block_r = min(next_pow2(rank), MAX_BLOCK_RANK)
-    block_k = max(16, min(next_pow2(in_features), TILE // block_r))
-    _shrink_kernel[(num_tokens, triton.cdiv(rank, block_r))](
+    block_k = max(16, min(next_pow2(in_features), TILE // block_r, SPLIT_K))
+    _shrink_kernel[(num_tokens, triton.cdiv(rank, block_r), num_splits)](
         x, lora_a, buffer, token_lora_indices, rank, in_features,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), buffer.stride(0),
-        BLOCK_R=block_r, BLOCK_K=block_k,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), buffer.stride(0), buffer.stride(1),
+        SPLIT_K=SPLIT_K, BLOCK_R=block_r, BLOCK_K=block_k,
     )  # fmt: skip
     block_n = max(16, min(next_pow2(out_features), TILE // block_r))
     _expand_kernel[(num_tokens, triton.cdiv(out_features, block_n))](
-        buffer, lora_b, y, token_lora_indices, rank, out_features,
-        buffer.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        buffer, lora_b, y, token_lora_indices, rank, out_features, num_splits,
+        buffer.stride(0), buffer.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
         BLOCK_R=block_r, BLOCK_N=block_n,
     )  # fmt: skip
     return y

@@ -94,9 +94,12 @@ def add_lora_fp64(
 
 
 # (num_tokens, in, out, rank, num_slots): ranks 8..64 in one rank block, 12 masked, 100 over
-# two rank programs in the shrink and two rank steps in the expand; in/out over several tiles
+# two rank programs in the shrink and two rank steps in the expand; in/out over several tiles,
+# in over 2 (1024) and 3 (1100, the last partial) split-K slices
 SHAPES = [
     (1, 64, 48, 8, 1),
+    (2, 1024, 40, 8, 1),
+    (3, 1100, 64, 16, 2),
     (9, 200, 300, 12, 3),
     (12, 128, 96, 16, 4),
     (5, 300, 130, 32, 2),
