@@ -4,6 +4,7 @@
 tensors and the torch reference (`kernels.reference`) otherwise. One module per kernel:
 `activation` (SiLU-and-mul), `rms_norm` (fused residual add + RMSNorm), `rotary` (neox RoPE
 from a cos/sin cache), `kv_cache` (paged KV write through slot_mapping), `paged_attention`
-(mixed prefill/decode batches against the paged cache). `compile_check` compiles them all
+(mixed prefill/decode batches against the paged cache), `lora` (batched LoRA adapters:
+shrink and expand over each token's adapter slot). `compile_check` compiles them all
 for a CUDA architecture without a GPU.
 """

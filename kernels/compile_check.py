@@ -23,8 +23,8 @@ from kernels._checks import next_pow2
 
 F32_ARGS = {"eps", "scale_log2"}
 INDEX_PTRS = {"positions_ptr", "slot_mapping_ptr", "query_start_loc_ptr", "seq_lens_ptr",
-              "block_table_ptr"}  # fmt: skip
-F32_PTRS = {"cos_sin_ptr", "lse_ptr", "partial_ptr"}
+              "block_table_ptr", "indices_ptr"}  # fmt: skip
+F32_PTRS = {"cos_sin_ptr", "lse_ptr", "partial_ptr", "buffer_ptr"}
 # (head_dim, group, BLOCK_Q, BLOCK_M, NUM_SPLITS, num_warps): decode, prefill, split decode with
 # a non-power-of-two head, prefill with a non-power-of-two group
 ATTENTION_TILINGS = ((128, 4, 1, 16, 1, 4), (128, 4, 16, 64, 1, 8), (80, 4, 1, 16, 4, 4),
@@ -42,7 +42,7 @@ class Kernel(Protocol):
 
 def specializations() -> list[Spec]:
     """(kernel, element type, constexprs, num_warps) for the variants the wrappers launch."""
-    from kernels import activation, kv_cache, paged_attention, rms_norm, rotary
+    from kernels import activation, kv_cache, lora, paged_attention, rms_norm, rotary
 
     pa = paged_attention._paged_attention_kernel
     specs: list[Spec] = []
@@ -54,6 +54,10 @@ def specializations() -> list[Spec]:
             (rotary._rotary_kernel, ty, {"HEAD_DIM": 80, "ROT_HALF": 16, "BLOCK_H": 32,
                                          "BLOCK_HALF": 16, "BLOCK_D": 128}, 4),
             (kv_cache._write_kv_kernel, ty, {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128}, 4),
+            (lora._shrink_kernel, ty, {"BLOCK_R": 16, "BLOCK_K": 256}, 4),
+            (lora._shrink_kernel, ty, {"BLOCK_R": 64, "BLOCK_K": 64}, 4),
+            (lora._expand_kernel, ty, {"BLOCK_R": 16, "BLOCK_N": 256}, 4),
+            (lora._expand_kernel, ty, {"BLOCK_R": 64, "BLOCK_N": 64}, 4),
         ]  # fmt: skip
         precision = "ieee" if ty == "fp32" else None
         tilings = ATTENTION_TILINGS if ty == "bf16" else ATTENTION_TILINGS[:1]

@@ -76,8 +76,15 @@ def add_lora(
 ) -> torch.Tensor:
     """y [num_tokens, out] += each token's adapter update lora_b[s] @ lora_a[s] @ x[t], in
     place; lora_a [num_slots, rank, in], lora_b [num_slots, out, rank]; tokens without an
-    adapter keep their bits. Each adapter's tokens are multiplied together, so a token's
-    result does not depend on which other adapters share the step."""
+    adapter keep their bits. Triton (kernels/lora.py): one program per token, shrink then
+    expand over mapping.token_lora_indices. Otherwise each adapter's tokens are multiplied
+    together, so a token's result does not depend on which other adapters share the step."""
+    if use_triton(x):
+        if not mapping.active:
+            return y
+        from kernels import lora as kernel
+
+        return kernel.add_lora(y, x, lora_a, lora_b, mapping.token_lora_indices)
     for slot, rows in mapping.groups:
         shrunk = x.index_select(0, rows) @ lora_a[slot].t()  # [n, rank]
         y.index_add_(0, rows, shrunk @ lora_b[slot].t())
