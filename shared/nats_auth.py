@@ -90,7 +90,11 @@ def permissions(user: NatsUser, prefix: str, num_shards: int) -> Permissions | N
     if user.role == SCHEDULER:
         return Permissions(
             publish=_unique(
-                *(x for s in shards for x in (s.output("*"), s.plan("*"), s.scheduler_heartbeat))
+                *(
+                    x
+                    for s in shards
+                    for x in (s.output("*"), s.plan("*"), s.lora_check("*"), s.scheduler_heartbeat)
+                )
             ),
             subscribe=_unique(
                 *(
@@ -121,7 +125,10 @@ def permissions(user: NatsUser, prefix: str, num_shards: int) -> Permissions | N
             )
         ),
         # its scheduler's heartbeats keep an idle worker on the current epoch
-        subscribe=_unique(*(x for s, w in own for x in (s.plan(w), s.scheduler_heartbeat))),
+        subscribe=_unique(
+            *(x for s, w in own for x in (s.plan(w), s.lora_check(w), s.scheduler_heartbeat))
+        ),
+        allow_responses=True,  # LoRA check replies
     )
 
 

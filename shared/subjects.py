@@ -64,6 +64,9 @@ class Subjects:
     def plan(self, worker_id: str) -> str:  # scheduler -> worker: BatchPlan
         return f"{self.prefix}.worker.{worker_id}.plan"
 
+    def lora_check(self, worker_id: str) -> str:  # scheduler -> worker, request-reply: LoRACheck
+        return f"{self.prefix}.worker.{worker_id}.lora_check"
+
     @property
     def result(self) -> str:  # worker -> scheduler: ModelRunnerOutput
         return f"{self.prefix}.worker.result"

@@ -21,7 +21,8 @@ from shared.sampling_params import SamplingParams
 #    and .prefix_summary
 # 6: WorkerHello.role (prefill/decode disaggregation)
 # 7: LoRA adapters: NewRequestData.lora, SubmitRequest.lora_name, WorkerHello.max_loras and
-#    .max_lora_rank, SchedulerHeartbeat.lora_adapters, LoRAAdapterChange/LoRAAdapterReply
+#    .max_lora_rank, SchedulerHeartbeat.lora_adapters, LoRAAdapterChange/LoRAAdapterReply,
+#    LoRACheck
 PROTOCOL_VERSION = 7
 M = TypeVar("M", bound=msgspec.Struct)
 
@@ -227,6 +228,14 @@ class LoRAAdapterReply(msgspec.Struct, kw_only=True):
     status: int = 200
     message: str = ""
     lora_path: str = ""  # where the adapter lies, as the scheduler resolved it
+    version: int = PROTOCOL_VERSION
+
+
+class LoRACheck(msgspec.Struct, kw_only=True):
+    """Scheduler -> worker, request-reply (`LoRAAdapterReply`): can the worker run this
+    adapter (files, format, rank, shapes)? Asked before a runtime load is accepted."""
+
+    lora: LoRARequest
     version: int = PROTOCOL_VERSION
 
 

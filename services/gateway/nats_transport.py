@@ -38,6 +38,8 @@ from shared.wire import (
 logger = logging.getLogger(__name__)
 
 LostCallback = Callable[[str, int | None], None]
+# A load waits for a worker to read the adapter (the scheduler gives it 30 s)
+LORA_CHANGE_TIMEOUT_S = 40.0
 
 
 class NatsTransport:
@@ -105,7 +107,7 @@ class NatsTransport:
         subject = self.shards[shard].subjects.lora_adapters
         try:
             return await bus.request(
-                self._nc, subject, change, LoRAAdapterReply, self.submit_timeout
+                self._nc, subject, change, LoRAAdapterReply, LORA_CHANGE_TIMEOUT_S
             )
         except nats.errors.NoRespondersError:
             raise EngineError(503, "no scheduler is listening") from None

@@ -12,6 +12,7 @@ import logging
 import time
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 
 from services.scheduler.admission import Admission
@@ -40,6 +41,8 @@ from shared.wire import (
     GatewayHeartbeat,
     LoRAAdapterChange,
     LoRAAdapterReply,
+    LoRACheck,
+    LoRARequest,
     ModelRunnerOutput,
     SchedulerHeartbeat,
     SchedulerStats,
@@ -51,6 +54,9 @@ from shared.wire import (
 )
 
 log = logging.getLogger("skiff.scheduler")
+
+# A worker reads an adapter to check it (a rank-16 adapter of a small model: well under 1 s)
+LORA_CHECK_TIMEOUT_S = 30.0
 
 
 class SchedulerService:
@@ -171,16 +177,39 @@ class SchedulerService:
         """Load or unload an adapter. Requests running with an unloaded one finish with it;
         new ones naming it are refused."""
         try:
-            if change.load:
-                lora = self.loras.resolve(change.lora_name, change.lora_path)
-                self.loras.add(lora)
-                log.info("LoRA adapter %s loaded from %s", lora.lora_name, lora.lora_path)
-            else:
+            if not change.load:
                 lora = self.loras.remove(change.lora_name)
                 log.info("LoRA adapter %s unloaded", lora.lora_name)
+                return LoRAAdapterReply(ok=True, lora_path=lora.lora_path)
+            lora = self.loras.resolve(change.lora_name, change.lora_path)
         except LoRARegistryError as e:
             return LoRAAdapterReply(ok=False, status=e.status, message=e.message)
+        checked = await self._check_lora(lora)
+        if not checked.ok:
+            return checked
+        try:
+            self.loras.add(lora)  # the name may have been taken while the worker checked
+        except LoRARegistryError as e:
+            return LoRAAdapterReply(ok=False, status=e.status, message=e.message)
+        log.info("LoRA adapter %s loaded from %s", lora.lora_name, lora.lora_path)
         return LoRAAdapterReply(ok=True, lora_path=lora.lora_path)
+
+    async def _check_lora(self, lora: LoRARequest) -> LoRAAdapterReply:
+        """A healthy worker with LoRA reads the adapter as it would to run it."""
+        worker = next(
+            (w for w in self.pool.workers.values() if w.healthy and w.hello.max_loras), None
+        )
+        if worker is None:
+            message = "no worker with LoRA adapters (--enable-lora) is ready to check it"
+            return LoRAAdapterReply(ok=False, status=503, message=message)
+        subject = self.subjects.lora_check(worker.worker_id)
+        try:
+            return await bus.request(
+                self.nc, subject, LoRACheck(lora=lora), LoRAAdapterReply, LORA_CHECK_TIMEOUT_S
+            )
+        except (nats.errors.Error, TimeoutError, msgspec.DecodeError) as e:
+            message = f"worker {worker.worker_id} did not check the adapter: {e!r}"
+            return LoRAAdapterReply(ok=False, status=503, message=message)
 
     def _on_malformed_submit(self, error: str) -> SubmitReply:
         self.metrics.rejected.labels("400").inc()

@@ -58,7 +58,12 @@ def test_gateway_permissions_cover_every_shard_and_nothing_of_workers():
 def test_scheduler_permissions_answer_requests_without_an_inbox():
     perms = permissions(_user(SCHEDULER), "p", 1)
     assert perms is not None and perms.allow_responses
-    assert perms.publish == ("p.out.*", "p.worker.*.plan", "p.scheduler.heartbeat")
+    assert perms.publish == (
+        "p.out.*",
+        "p.worker.*.plan",
+        "p.worker.*.lora_check",
+        "p.scheduler.heartbeat",
+    )
     assert perms.subscribe == (
         "p.req.submit",
         "p.req.abort",
@@ -74,11 +79,13 @@ def test_scheduler_permissions_answer_requests_without_an_inbox():
 
 def test_a_worker_user_gets_only_its_own_workers_plans_on_their_shards():
     perms = permissions(_user(WORKER, "w-2", "w-3", name="pod"), "p", 2)
-    assert perms is not None and not perms.allow_responses
+    assert perms is not None and perms.allow_responses  # it answers LoRA checks
     assert perms.subscribe == (
         "p.shard0.worker.w-2.plan",
+        "p.shard0.worker.w-2.lora_check",
         "p.shard0.scheduler.heartbeat",
         "p.shard1.worker.w-3.plan",
+        "p.shard1.worker.w-3.lora_check",
         "p.shard1.scheduler.heartbeat",
     )
     assert perms.publish == (
@@ -118,7 +125,10 @@ def test_the_authorization_block_lists_users_with_their_permissions():
         "publish": {
             "allow": ["p.worker.hello", "p.worker.heartbeat", "p.worker.goodbye", "p.worker.result"]
         },
-        "subscribe": {"allow": ["p.worker.w-0.plan", "p.scheduler.heartbeat"]},
+        "subscribe": {
+            "allow": ["p.worker.w-0.plan", "p.worker.w-0.lora_check", "p.scheduler.heartbeat"]
+        },
+        "allow_responses": True,
     }
     tls = ServerTls("c.pem", "k.pem", "ca.pem")
     conf = server_config(users, "p", 1, tls=tls, max_payload=2048)
@@ -144,8 +154,10 @@ def test_the_command_writes_a_private_config_from_password_files(tmp_path):
     assert [u["password"] for u in users][-1] == "skiff-worker-1-pw"
     assert users[-1]["permissions"]["subscribe"]["allow"] == [
         "p.worker.skiff-worker-1-0.plan",
+        "p.worker.skiff-worker-1-0.lora_check",
         "p.scheduler.heartbeat",
         "p.worker.skiff-worker-1-1.plan",
+        "p.worker.skiff-worker-1-1.lora_check",
     ]
     with pytest.raises(SystemExit):
         main(["--password-dir", str(tmp_path / "missing"), "--out", str(out)])
