@@ -86,3 +86,12 @@ repo and revision: (dict "ctx" $ "image" .Values.worker.image "volume" "model"
     - name: {{ .volume }}
       mountPath: {{ .mountPath }}
 {{- end }}
+
+{{/* The scheduler's --lora-modules: "name=/adapters/dir ..." of lora.modules, sorted. */}}
+{{- define "skiff.loraModules" -}}
+{{- $items := list }}
+{{- range $name, $dir := .Values.lora.modules }}
+{{- $items = append $items (printf "%s=/adapters/%s" $name (trimPrefix "/" $dir)) }}
+{{- end }}
+{{- join " " $items }}
+{{- end }}
