@@ -229,10 +229,13 @@ def test_an_adapter_that_fails_to_load_fails_the_step_and_holds_no_slot(
 
 
 def test_loading_an_adapter_takes_well_under_a_second(runner, adapters):
+    """Rank 16 (on 4 projections of 15 layers): about 10 ms on an idle core."""
     assert runner.lora is not None
+    lora = adapters["r16"][0]
     start = time.perf_counter()
-    runner.lora.load(adapters["r16"][0], step={"r16"})
-    assert time.perf_counter() - start < 0.5
+    runner.lora.load(LoRARequest(lora_name="r16-again", lora_path=lora.lora_path), step=())
+    assert time.perf_counter() - start < 1.0
+    assert "r16-again" in runner.lora.slots
 
 
 def test_a_worker_without_lora_refuses_an_adapter_request(tiny_models, tmp_path):
