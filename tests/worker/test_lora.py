@@ -108,56 +108,69 @@ def runner(smollm2_dir) -> ModelRunner:
 
 
 class Driver:
-    """Runs requests to NUM_TOKENS greedy tokens through hand-built plans, all prefilled in
-    one step, then decoded together; finishes them at the end."""
+    """Runs requests to NUM_TOKENS greedy tokens through hand-built plans and finishes them:
+    request i joins at step `starts[i]` (default: all at once), its prompt in chunks of
+    `chunk` tokens (default: whole), then one token a step."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.step_id = 0
         self.num_reqs = 0
 
-    def execute(self, plan: BatchPlan) -> Any:
+    def execute(self, **fields: Any) -> Any:
         self.step_id += 1
-        return self.runner.execute(plan)
+        return self.runner.execute(BatchPlan(step_id=self.step_id, **fields))
 
-    def plan(self, **fields: Any) -> BatchPlan:
-        return BatchPlan(step_id=self.step_id, **fields)
-
-    def generate(self, reqs: list[tuple[list[int], LoRARequest | None]]) -> list[list[int]]:
+    def generate(
+        self,
+        reqs: list[tuple[list[int], LoRARequest | None]],
+        starts: list[int] | None = None,
+        chunk: int = 1 << 30,
+    ) -> list[list[int]]:
         ids = [f"req-{self.num_reqs + i}" for i in range(len(reqs))]
         self.num_reqs += len(reqs)
-        greedy = SamplingParams(temperature=0.0)
-        new = [
-            NewRequestData(
-                req_id=req_id,
-                prompt_token_ids=prompt,
-                sampling_params=greedy,
-                block_ids=list(range(i * BLOCKS_PER_REQ, (i + 1) * BLOCKS_PER_REQ)),
-                num_computed_tokens=0,
-                lora=lora,
-            )
-            for i, (req_id, (prompt, lora)) in enumerate(zip(ids, reqs, strict=True))
-        ]
+        starts = starts or [0] * len(reqs)
+        computed = dict.fromkeys(ids, 0)
         tokens: dict[str, list[int]] = {req_id: [] for req_id in ids}
         try:
-            sched = {req_id: len(prompt) for req_id, (prompt, _) in zip(ids, reqs, strict=True)}
-            out = self.execute(self.plan(new_reqs=new, num_scheduled_tokens=sched))
-            for step in range(NUM_TOKENS - 1):
+            for step in range(10 * NUM_TOKENS):
+                new, cached, sched = [], [], {}
+                for i, (req_id, (prompt, lora)) in enumerate(zip(ids, reqs, strict=True)):
+                    if step < starts[i] or len(tokens[req_id]) == NUM_TOKENS:
+                        continue
+                    left = len(prompt) - computed[req_id]
+                    sched[req_id] = min(chunk, left) if left > 0 else 1
+                    if step == starts[i]:
+                        new.append(self._new(req_id, prompt, lora, i))
+                    else:
+                        cached.append(
+                            CachedRequestData(
+                                req_id=req_id,
+                                new_block_ids=[],
+                                num_computed_tokens=computed[req_id],
+                            )
+                        )
+                if not sched:
+                    break
+                out = self.execute(new_reqs=new, cached_reqs=cached, num_scheduled_tokens=sched)
                 for req_id, sampled in zip(out.req_ids, out.sampled_token_ids, strict=True):
+                    computed[req_id] += sched[req_id]
                     tokens[req_id] += sampled
-                cached = [
-                    CachedRequestData(
-                        req_id=req_id, new_block_ids=[], num_computed_tokens=len(prompt) + step
-                    )
-                    for req_id, (prompt, _) in zip(ids, reqs, strict=True)
-                ]
-                sched = dict.fromkeys(ids, 1)
-                out = self.execute(self.plan(cached_reqs=cached, num_scheduled_tokens=sched))
-            for req_id, sampled in zip(out.req_ids, out.sampled_token_ids, strict=True):
-                tokens[req_id] += sampled
         finally:
-            self.execute(self.plan(finished_req_ids=ids))
+            self.execute(finished_req_ids=ids)
+        assert all(len(t) == NUM_TOKENS for t in tokens.values())
         return [tokens[req_id] for req_id in ids]
+
+    @staticmethod
+    def _new(req_id: str, prompt: list[int], lora: LoRARequest | None, i: int) -> NewRequestData:
+        return NewRequestData(
+            req_id=req_id,
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(temperature=0.0),
+            block_ids=list(range(i * BLOCKS_PER_REQ, (i + 1) * BLOCKS_PER_REQ)),
+            num_computed_tokens=0,
+            lora=lora,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +203,18 @@ def test_adapters_and_the_base_model_share_a_batch(driver, prompts, adapters):
     assert mixed[:3] == alone
     assert run(driver, adapters, [(p2, "r8"), (p1, "base")])[0] == mixed[3]
     assert run(driver, adapters, [(p2, "base")])[0] not in (mixed[2], mixed[3])
+
+
+def test_adapter_prefill_chunks_share_steps_with_other_decodes(driver, prompts, adapters):
+    """Requests joining one after the other, prompts in chunks of 3: steps mix one adapter's
+    prefill chunk with other adapters' and the base model's decode tokens."""
+    p0, p1, p2 = prompts
+    reqs = [(p0, "r8"), (p1, "base"), (p2, "r16"), (p1, "r8")]
+    outputs = driver.generate(
+        [(prompt, adapters[name][0]) for prompt, name in reqs], starts=[0, 2, 3, 5], chunk=3
+    )
+    for (prompt, name), tokens in zip(reqs, outputs, strict=True):
+        assert_greedy(adapters[name][1], prompt, tokens)
 
 
 def test_slots_are_reused_least_recently_used_first(driver, runner, prompts, adapters):
