@@ -85,6 +85,10 @@ class RunnerConfig:
         "CPU projection weights: fp32 (exact), bf16, int8 or q8_0 (int8 activations too; "
         "faster, outputs can differ)",
     )
+    # LoRA adapters (docs/lora.md); the defaults are vLLM's
+    enable_lora: bool = setting(False, "serve requests with LoRA adapters (PEFT checkpoints)")
+    max_loras: int = setting(1, "LoRA adapters one step may use: the slots held on the device")
+    max_lora_rank: int = setting(16, "the highest LoRA adapter rank accepted")
     # vLLM's --kv-offloading-size: KV blocks the scheduler moves below the device pool
     kv_offloading_size: float = setting(
         0.0, "host-memory KV tier, GiB (pinned on CUDA, RAM on the CPU; 0: off)"
@@ -97,7 +101,7 @@ class RunnerConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_model_len"):
+        for name in ("block_size", "max_num_seqs", "max_model_len", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -17,7 +17,7 @@ from services.worker.grammar import advance
 from services.worker.sampling_columns import SamplingColumns
 from shared.arith import cdiv
 from shared.sampling_params import SamplingParams
-from shared.wire import BatchPlan, NewRequestData
+from shared.wire import BatchPlan, LoRARequest, NewRequestData
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -37,6 +37,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     # Prompt logprob entries already sent (entry i: prompt token i; entry 0 is None).
     num_prompt_logprobs_sent: int = 0
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +52,7 @@ class CachedRequestState:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             output_token_ids=list(new.output_token_ids),
+            lora=new.lora,
         )
 
 

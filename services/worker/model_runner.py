@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kernels import cpu_ops
+from kernels.lora_mapping import LoRAMapping
 from services.worker.attention import AttentionMetadata, get_attention_backend
 from services.worker.config import RunnerConfig
 from services.worker.cpu_decode import FusedCpuDecode
@@ -23,6 +24,8 @@ from services.worker.grammar_bitmask import GrammarBitmask
 from services.worker.input_batch import CachedRequestState, InputBatch, apply_plan_diff
 from services.worker.kv_tiers.setup import build_kv_tiers
 from services.worker.loader import load_model
+from services.worker.lora.errors import LoRAError
+from services.worker.lora.manager import LoRAManager
 from services.worker.model_config import ModelConfig
 from services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from services.worker.sampler import prompt_logprobs as prompt_lp
@@ -43,6 +46,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampling] query row of each sampling request's last token
     sampling: np.ndarray  # [num_reqs] bool: request reached the end of its known tokens
+    lora: LoRAMapping | None = None  # each token's adapter slot; None: no token has one
 
 
 # A request's prompt logprobs in one step: (its state, its number of top alternatives, the
@@ -83,6 +87,17 @@ class ModelRunner:
             convert_weights(self.model, config.cpu_weights)
         if self.device.type == "cpu" and cpu_ops.load():
             pack_panels(self.model, config.cpu_weights)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(
+                self.model,
+                mc,
+                config.model_dir,
+                config.max_loras,
+                config.max_lora_rank,
+                self.device,
+                dtype,
+            )
         # One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
         shape = (2, self.num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
         self.kv_caches = [
@@ -166,6 +181,10 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         self.timer.cuda_graph = False
+        if inputs.lora is not None and self.lora is not None:
+            # eager: neither the captured graphs nor the fused CPU decode carry adapters
+            with self.lora.step.use(inputs.lora):
+                return self._eager_forward(inputs)
         if self.decode_graphs is not None:
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
             if hidden is not None:
@@ -173,12 +192,22 @@ class ModelRunner:
                 return hidden
         if self.fused_cpu_decode is not None and inputs.meta.max_query_len == 1:
             return self.fused_cpu_decode.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        return self._eager_forward(inputs)
+
+    def _eager_forward(self, inputs: StepInputs) -> torch.Tensor:
         out: torch.Tensor = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta
         )
         return out
 
     def _update_states(self, plan: BatchPlan) -> None:
+        if self.lora is None:
+            for new in plan.new_reqs:
+                if new.lora is not None:
+                    raise LoRAError(
+                        f"request {new.req_id} asks for LoRA adapter {new.lora.lora_name}: "
+                        "this worker runs without --enable-lora"
+                    )
         apply_plan_diff(self.batch, self.requests, plan, CachedRequestState)
 
     def _prepare_inputs(self, plan: BatchPlan) -> StepInputs:
@@ -191,6 +220,7 @@ class ModelRunner:
         num_tokens = int(query_start_loc[-1])
         token_req = np.repeat(np.arange(len(req_ids)), num_sched)  # [num_tokens]
         token_rows = rows[token_req]
+        lora = self._lora_mapping(req_ids, token_req)
         positions = (
             batch.num_computed_tokens[token_rows]
             + np.arange(num_tokens)
@@ -221,7 +251,19 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.from_numpy(query_start_loc[1:][sampling] - 1).to(dev),
             sampling=sampling,
+            lora=lora,
         )
+
+    def _lora_mapping(self, req_ids: list[str], token_req: np.ndarray) -> LoRAMapping | None:
+        """Each scheduled token's adapter slot (`token_req` [num_tokens]: its request's index
+        in `req_ids`), the adapters not held loaded first; None when no request has one."""
+        if self.lora is None:
+            return None
+        loras = [self.requests[r].lora for r in req_ids]
+        if all(lora is None for lora in loras):
+            return None
+        token_lora_indices = self.lora.request_slots(loras)[token_req]  # [num_tokens]
+        return LoRAMapping.build(torch.from_numpy(token_lora_indices).to(self.device))
 
     def _grammar_mask(self, rows: np.ndarray) -> GrammarMask | None:
         """The next-token masks of the sampled rows that follow a grammar."""

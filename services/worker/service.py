@@ -172,6 +172,8 @@ class WorkerService:
             if self.kv_transfer is not None
             else r.kv_tiers.transfer_address,
             role=self.config.role,
+            max_loras=r.config.max_loras if r.config.enable_lora else 0,
+            max_lora_rank=r.config.max_lora_rank if r.config.enable_lora else 0,
         )
 
     def start_kv_transfer(self) -> None:

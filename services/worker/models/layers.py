@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -9,6 +11,9 @@ from kernels import ops
 from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.model_config import ModelConfig
 from services.worker.models.rope import rope_inv_freq
+
+if TYPE_CHECKING:
+    from services.worker.lora.weights import ModuleLoRA
 
 
 def weight_scale(module: nn.Module) -> torch.Tensor | None:
@@ -24,9 +29,15 @@ def weight_panels(module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor 
 
 def project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`module(x)` through `ops.linear`, int8 weights with their scales, packed weights in
-    their panels."""
+    their panels; plus the update of the step's LoRA adapters where the module carries
+    adapter slots (`module.lora`, services/worker/lora/weights.py) and a token of the step
+    runs with one."""
     panels, panel_scale = weight_panels(module)
-    return ops.linear(x, module.weight, module.bias, weight_scale(module), panels, panel_scale)
+    y = ops.linear(x, module.weight, module.bias, weight_scale(module), panels, panel_scale)
+    lora: ModuleLoRA | None = getattr(module, "lora", None)
+    if lora is not None and lora.step.mapping is not None:
+        ops.add_lora(y, x, lora.lora_a, lora.lora_b, lora.step.mapping)
+    return y
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,87 @@
+"""A runner's adapters: each step's requests get their adapter's slot, the adapters not held
+read off their checkpoints first (into the least recently used slots no request of the step
+needs)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from kernels.lora_mapping import NO_LORA
+from services.worker.lora.checkpoint import read_adapter
+from services.worker.lora.errors import LoRAError
+from services.worker.lora.slots import SlotTable
+from services.worker.lora.weights import LoRAStep, LoRAWeights
+from services.worker.model_config import ModelConfig
+from shared.wire import LoRARequest
+
+log = logging.getLogger("skiff.worker")
+
+
+class LoRAManager:
+    """The adapter slots of `model` (read from `model_dir`): `max_loras` adapters at once, of
+    rank up to `max_rank`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mc: ModelConfig,
+        model_dir: str,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.mc, self.model_dir = mc, model_dir
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.weights = LoRAWeights(model, mc, max_loras, max_rank, device, dtype)
+        self.slots = SlotTable(max_loras)
+
+    @property
+    def step(self) -> LoRAStep:
+        return self.weights.step
+
+    def request_slots(self, loras: Sequence[LoRARequest | None]) -> np.ndarray:
+        """[num_reqs] int64: the slot of each request's adapter (NO_LORA: the base model),
+        loading those not held."""
+        step = {lora.lora_name: lora for lora in loras if lora is not None}
+        if len(step) > self.max_loras:
+            raise LoRAError(
+                f"a step uses {len(step)} adapters, this worker's max_loras is {self.max_loras}"
+            )
+        for name, lora in step.items():
+            if name not in self.slots:
+                self.load(lora, step.keys())
+        slot_of = {name: self.slots.use(name) for name in step}
+        return np.fromiter(
+            (NO_LORA if lora is None else slot_of[lora.lora_name] for lora in loras),
+            np.int64,
+            len(loras),
+        )
+
+    def load(self, lora: LoRARequest, step: Collection[str] = ()) -> int:
+        """Read `lora` into a slot (not one of the adapters named in `step`); its slot."""
+        start = time.perf_counter()
+        adapter = read_adapter(
+            lora.lora_name, lora.lora_path, self.mc, self.max_rank, self.model_dir
+        )
+        slot = self.slots.claim(lora.lora_name, step)
+        try:
+            self.weights.write(slot, adapter)
+        except BaseException:
+            self.slots.release(lora.lora_name)
+            raise
+        log.info(
+            "LoRA adapter %s (rank %d, %s) in slot %d: %.0f ms",
+            lora.lora_name,
+            adapter.rank,
+            lora.lora_path,
+            slot,
+            (time.perf_counter() - start) * 1e3,
+        )
+        return slot
