@@ -22,7 +22,7 @@ from shared.sampling_params import SamplingParams
 # 6: WorkerHello.role (prefill/decode disaggregation)
 # 7: LoRA adapters: NewRequestData.lora, SubmitRequest.lora_name, WorkerHello.max_loras and
 #    .max_lora_rank, SchedulerHeartbeat.lora_adapters, LoRAAdapterChange/LoRAAdapterReply,
-#    LoRACheck
+#    LoRACheck, ModelRunnerOutput.failed_reqs
 PROTOCOL_VERSION = 7
 M = TypeVar("M", bound=msgspec.Struct)
 
@@ -159,6 +159,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # Lower-tier slots whose content is lost (a failed disk write, a checksum mismatch), by
     # tier: the scheduler drops them from its index
     kv_lost: dict[str, list[int]] = {}
+    # Requests that left the batch without running, and why (their LoRA adapter cannot run
+    # here): the scheduler ends them with an error
+    failed_reqs: dict[str, str] = {}
     version: int = PROTOCOL_VERSION
 
 

@@ -49,6 +49,7 @@ class OutputRouter:
                     num_cached_tokens=out.num_cached_tokens,
                     logprobs=out.logprobs,
                     prompt_logprobs=out.prompt_logprobs,
+                    error=out.error,
                 )
             )
             if out.finish_reason is not None:

@@ -74,6 +74,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None  # why it failed (finish reason ERROR), for its client
 
 
 class Scheduler:
@@ -642,6 +643,11 @@ class Scheduler:
         if output.kv_loads_done or output.kv_loads_failed or output.kv_lost:
             self._loads_reported(output)
         outputs: list[RequestOutput] = []
+        for req_id, error in output.failed_reqs.items():  # they left the worker's batch
+            request = self.requests.get(req_id)
+            if request is not None:
+                self._finish(request, FinishReason.ERROR)
+                outputs.append(RequestOutput(req_id, [], FinishReason.ERROR, error=error))
         requests, logprobs = self.requests, output.logprobs
         prompt_logprobs_of = output.prompt_logprobs
         for i, req_id in enumerate(output.req_ids):

@@ -330,6 +330,9 @@ class SchedulerService:
 
     async def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.error is not None:
+                log.error("request failed: %s", out.error, extra={"request_id": out.req_id})
+                self.metrics.requests_failed.inc()
             if out.finish_reason is not None:
                 self.placement.finish(out.req_id)
                 self._finished(out.req_id, out.finish_reason.value)

@@ -8,8 +8,10 @@ step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
+import msgspec
 import numpy as np
 import torch
 
@@ -35,6 +37,8 @@ from services.worker.step_timer import StepTimer
 from services.worker.weight_format import convert_weights, pack_panels
 from shared.arith import cdiv
 from shared.wire import BatchPlan, ModelRunnerOutput, TokenLogprobs
+
+log = logging.getLogger("skiff.worker")
 
 
 @dataclass
@@ -108,6 +112,9 @@ class ModelRunner:
         self.grammar_bitmask = GrammarBitmask(config.max_num_seqs, mc.vocab_size, self.device)
         self.batch = self._new_batch()
         self.requests: dict[str, CachedRequestState] = {}
+        # Requests failed here (failed_reqs) that plans already sent may still schedule,
+        # until a plan lists them as finished
+        self._failed_req_ids: set[str] = set()
         self.sampler = Sampler()
         self.timer = StepTimer(cuda=self.device.type == "cuda")
         self.num_tokens_computed = 0  # all tokens run through the model so far
@@ -130,6 +137,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (the scheduler that placed them is gone)."""
         self.requests.clear()
+        self._failed_req_ids.clear()
         self.batch = self._new_batch()
 
     def close(self) -> None:
@@ -149,15 +157,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> ModelRunnerOutput:
-        """The plan's KV copies, then its forward pass while its KV loads run."""
+        """The plan's KV copies, then its forward pass while its KV loads run. A request
+        whose LoRA adapter cannot run here leaves the step and the batch, named in the
+        output's `failed_reqs` with the reason; the others run."""
         self.timer.begin()
+        plan = self._without_failed(plan)
         self._update_states(plan)
+        failed = self._drop_unrunnable_loras(plan)
+        if failed:
+            scheduled = {r: n for r, n in plan.num_scheduled_tokens.items() if r not in failed}
+            plan = msgspec.structs.replace(
+                plan,
+                num_scheduled_tokens=scheduled,
+                total_num_scheduled_tokens=sum(scheduled.values()),
+            )
         loads = self.kv_tiers.begin(plan.kv_copies, plan.kv_loads)
         try:
             output = self._run_model(plan)
         finally:
             report = loads.wait()
         self.kv_tiers.report(report, output)
+        output.failed_reqs = failed
         return output
 
     def _run_model(self, plan: BatchPlan) -> ModelRunnerOutput:
@@ -201,14 +221,45 @@ class ModelRunner:
         return out
 
     def _update_states(self, plan: BatchPlan) -> None:
-        if self.lora is None:
-            for new in plan.new_reqs:
-                if new.lora is not None:
-                    raise LoRAError(
-                        f"request {new.req_id} asks for LoRA adapter {new.lora.lora_name}: "
-                        "this worker runs without --enable-lora"
-                    )
         apply_plan_diff(self.batch, self.requests, plan, CachedRequestState)
+
+    def _without_failed(self, plan: BatchPlan) -> BatchPlan:
+        """`plan` without the requests failed here before its scheduler heard of it."""
+        if not self._failed_req_ids:
+            return plan
+        self._failed_req_ids.difference_update(plan.finished_req_ids)
+        gone = self._failed_req_ids
+        scheduled = {r: n for r, n in plan.num_scheduled_tokens.items() if r not in gone}
+        return msgspec.structs.replace(
+            plan,
+            cached_reqs=[c for c in plan.cached_reqs if c.req_id not in gone],
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+        )
+
+    def _drop_unrunnable_loras(self, plan: BatchPlan) -> dict[str, str]:
+        """Give each adapter of the step's requests a slot, loading those not held; the
+        requests whose adapter cannot have one (LoRA off, a checkpoint that fails to load,
+        more adapters than slots) leave the batch. Returns their reasons by request id."""
+        failed: dict[str, str] = {}
+        held: list[str] = []  # adapters of this step with a slot
+        for req_id in plan.num_scheduled_tokens:
+            lora = self.requests[req_id].lora
+            if lora is None or lora.lora_name in held:
+                continue
+            try:
+                if self.lora is None:
+                    raise LoRAError("this worker runs without --enable-lora")
+                self.lora.ensure_loaded(lora, held)
+                held.append(lora.lora_name)
+            except LoRAError as e:
+                failed[req_id] = f"LoRA adapter {lora.lora_name}: {e}"
+        for req_id, reason in failed.items():
+            log.warning("request %s failed: %s", req_id, reason)
+            self.requests.pop(req_id)
+            self.batch.remove_request(req_id)
+            self._failed_req_ids.add(req_id)
+        return failed
 
     def _prepare_inputs(self, plan: BatchPlan) -> StepInputs:
         batch, bs = self.batch, self.config.block_size

@@ -2,7 +2,7 @@
 8 and 16: greedy output with an adapter equals transformers + peft with the adapter merged
 into the weights, token for token; base requests in the same batch equal the base model's;
 a request's tokens do not depend on which adapters share its batch; slots are reused least
-recently used first; a step the worker cannot run fails with a LoRAError."""
+recently used first; a request whose adapter cannot run fails alone (failed_reqs)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from services.worker.config import RunnerConfig, SimConfig, WorkerServiceConfig
-from services.worker.lora.errors import LoRAError
 from services.worker.model_runner import ModelRunner
 from services.worker.service import WorkerService
 from services.worker.sim_runner import SimRunner
@@ -233,24 +232,73 @@ def test_slots_are_reused_least_recently_used_first(driver, runner, prompts, ada
     assert slots.names() == ["r16", "r8-qk-up"]
 
 
-def test_a_step_of_more_adapters_than_slots_fails(driver, runner, prompts, adapters):
+def run_failing_step(
+    driver: Driver, reqs: list[tuple[list[int], LoRARequest | None]]
+) -> tuple[dict[int, str], list[list[int] | None]]:
+    """One step of the prompts, then two decode steps that still schedule every request (as
+    plans sent before the scheduler heard of a failure do), then finish them all; the step's
+    failed requests (by index) and every request's tokens (None: it failed)."""
+    ids = [f"req-{driver.num_reqs + i}" for i in range(len(reqs))]
+    driver.num_reqs += len(reqs)
+    new = [
+        Driver._new(r, p, lora, i) for i, (r, (p, lora)) in enumerate(zip(ids, reqs, strict=True))
+    ]
+    out = driver.execute(
+        new_reqs=new, num_scheduled_tokens={r: len(p) for r, (p, _) in zip(ids, reqs, strict=True)}
+    )
+    failed = dict(out.failed_reqs)
+    tokens = {r: list(t) for r, t in zip(out.req_ids, out.sampled_token_ids, strict=True)}
+    for _ in range(2):
+        cached = [
+            CachedRequestData(
+                req_id=r, new_block_ids=[], num_computed_tokens=len(p) + len(tokens.get(r, [])) - 1
+            )
+            for r, (p, _) in zip(ids, reqs, strict=True)
+        ]
+        out = driver.execute(cached_reqs=cached, num_scheduled_tokens=dict.fromkeys(ids, 1))
+        assert not out.failed_reqs and set(out.req_ids) == set(tokens)
+        for r, t in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            tokens[r] += t
+    driver.execute(finished_req_ids=ids)
+    return {ids.index(r): reason for r, reason in failed.items()}, [tokens.get(r) for r in ids]
+
+
+def test_a_step_of_more_adapters_than_slots_fails_only_the_extra_request(
+    driver, runner, prompts, adapters
+):
+    """The scheduler never plans more adapters than slots; should a plan do so anyway, the
+    requests of the adapters beyond them fail (their reason in failed_reqs), the others run
+    on, also through plans that still schedule the failed ones."""
     reqs = [(prompts[0], adapters[name][0]) for name in ADAPTERS]
-    with pytest.raises(LoRAError, match="a step uses 3 adapters, this worker's max_loras is 2"):
-        driver.generate(reqs)
-    runner.reset()  # as the service does after a failed step
+    failed, tokens = run_failing_step(driver, reqs)
+    assert list(failed) == [2] and "more adapters than this worker's max_loras 2" in failed[2]
+    assert tokens[2] is None
+    for name, prompt_tokens in zip(ADAPTERS, tokens[:2], strict=False):
+        assert_greedy(adapters[name][1], prompts[0], prompt_tokens)
+    assert not runner._failed_req_ids  # forgotten once a plan finished them
     run(driver, adapters, [(prompts[0], "r8")])
 
 
-def test_an_adapter_that_fails_to_load_fails_the_step_and_holds_no_slot(
+def test_an_adapter_that_fails_to_load_fails_its_request_and_holds_no_slot(
     driver, runner, prompts, adapters, tmp_path
 ):
     assert runner.lora is not None
     bad = LoRARequest(lora_name="missing", lora_path=str(tmp_path / "nowhere"))
-    with pytest.raises(LoRAError, match=r"no adapter_config\.json in"):
-        driver.generate([(prompts[0], adapters["r8"][0]), (prompts[1], bad)])
-    runner.reset()
+    failed, tokens = run_failing_step(driver, [(prompts[0], adapters["r8"][0]), (prompts[1], bad)])
+    assert list(failed) == [1] and "LoRA adapter missing: no adapter_config.json in" in failed[1]
+    assert_greedy(adapters["r8"][1], prompts[0], tokens[0])
     assert "missing" not in runner.lora.slots and "r8" in runner.lora.slots
-    run(driver, adapters, [(prompts[1], "base"), (prompts[0], "r8")])
+
+
+def test_an_adapter_read_again_from_a_new_directory(driver, runner, prompts, adapters):
+    """A name loaded again from another directory (unloaded, then loaded anew) is read
+    again: r8's name with r16's weights generates r16's tokens."""
+    r16 = adapters["r16"][0]
+    renamed = LoRARequest(lora_name="r8", lora_path=r16.lora_path)
+    (tokens,) = driver.generate([(prompts[2], renamed)])
+    assert_greedy(adapters["r16"][1], prompts[2], tokens)
+    (tokens,) = driver.generate([(prompts[2], adapters["r8"][0])])
+    assert_greedy(adapters["r8"][1], prompts[2], tokens)
 
 
 def test_loading_an_adapter_takes_well_under_a_second(runner, adapters):
@@ -263,7 +311,7 @@ def test_loading_an_adapter_takes_well_under_a_second(runner, adapters):
     assert "r16-again" in runner.lora.slots
 
 
-def test_a_worker_without_lora_refuses_an_adapter_request(tiny_models, tmp_path):
+def test_a_worker_without_lora_fails_an_adapter_request(tiny_models, tmp_path):
     runner = ModelRunner(
         RunnerConfig(model_dir=str(tiny_models["llama"]), num_blocks=8, max_model_len=64)
     )
@@ -276,9 +324,10 @@ def test_a_worker_without_lora_refuses_an_adapter_request(tiny_models, tmp_path)
         num_computed_tokens=0,
         lora=LoRARequest(lora_name="sql", lora_path=str(tmp_path)),
     )
-    plan = BatchPlan(step_id=0, new_reqs=[new], num_scheduled_tokens={"r": 3})
-    with pytest.raises(LoRAError, match=r"asks for LoRA adapter sql: .* without --enable-lora"):
-        runner.execute(plan)
+    out = runner.execute(BatchPlan(step_id=0, new_reqs=[new], num_scheduled_tokens={"r": 3}))
+    assert out.req_ids == [] and out.failed_reqs == {
+        "r": "LoRA adapter sql: this worker runs without --enable-lora"
+    }
 
 
 @pytest.mark.parametrize(("enable", "announced"), [(False, (0, 0)), (True, (3, 8))])

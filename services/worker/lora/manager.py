@@ -41,10 +41,19 @@ class LoRAManager:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.weights = LoRAWeights(model, mc, max_loras, max_rank, device, dtype)
         self.slots = SlotTable(max_loras)
+        self._paths: dict[str, str] = {}  # the directory each held adapter was read from
 
     @property
     def step(self) -> LoRAStep:
         return self.weights.step
+
+    def ensure_loaded(self, lora: LoRARequest, step: Collection[str] = ()) -> int:
+        """The slot of `lora`, read into one first unless held (from the same directory),
+        never into the slot of an adapter named in `step`; raises `LoRAError`."""
+        if lora.lora_name in self.slots and self._paths.get(lora.lora_name) == lora.lora_path:
+            return self.slots.use(lora.lora_name)
+        self.slots.release(lora.lora_name)  # held from another directory: read again
+        return self.load(lora, step)
 
     def request_slots(self, loras: Sequence[LoRARequest | None]) -> np.ndarray:
         """[num_reqs] int64: the slot of each request's adapter (NO_LORA: the base model),
@@ -54,10 +63,7 @@ class LoRAManager:
             raise LoRAError(
                 f"a step uses {len(step)} adapters, this worker's max_loras is {self.max_loras}"
             )
-        for name, lora in step.items():
-            if name not in self.slots:
-                self.load(lora, step.keys())
-        slot_of = {name: self.slots.use(name) for name in step}
+        slot_of = {name: self.ensure_loaded(lora, step.keys()) for name, lora in step.items()}
         return np.fromiter(
             (NO_LORA if lora is None else slot_of[lora.lora_name] for lora in loras),
             np.int64,
@@ -75,7 +81,9 @@ class LoRAManager:
             self.weights.write(slot, adapter)
         except BaseException:
             self.slots.release(lora.lora_name)
+            self._paths.pop(lora.lora_name, None)
             raise
+        self._paths[lora.lora_name] = lora.lora_path
         log.info(
             "LoRA adapter %s (rank %d, %s) in slot %d: %.0f ms",
             lora.lora_name,
