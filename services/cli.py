@@ -26,12 +26,17 @@ SERVE_RUNNER_FIELDS = (
     "kv_offloading_size",
     "kv_offloading_disk_size",
     "kv_offloading_disk_path",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
 )
+SERVE_SCHEDULER_SERVICE_FIELDS = ("lora_modules", "lora_root")
 
 
 def build_serve_parser() -> ConfigParser:
     from services.gateway.config import GatewayConfig
     from services.launcher import StackConfig
+    from services.scheduler.config import SchedulerServiceConfig
     from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig
     from shared.cli_args import ConfigParser
     from shared.config import SchedulerConfig
@@ -48,6 +53,7 @@ def build_serve_parser() -> ConfigParser:
     p.add_config(StackConfig, build=False)
     p.add_config(GatewayConfig, only=SERVE_GATEWAY_FIELDS, build=False)
     p.add_config(RunnerConfig, only=SERVE_RUNNER_FIELDS, build=False)
+    p.add_config(SchedulerServiceConfig, only=SERVE_SCHEDULER_SERVICE_FIELDS, build=False)
     p.add_config(SchedulerConfig)
     p.add_config(SimConfig)
     return p
@@ -64,6 +70,7 @@ def stack_config(
     is named as --served-model-name says, else as --model, else as the embedded model."""
     from services.gateway.config import GatewayConfig
     from services.launcher import StackConfig
+    from services.scheduler.config import SchedulerServiceConfig
     from services.worker.config import RunnerConfig, SimConfig
     from shared.config import SchedulerConfig
     from shared.default_model import DEFAULT_MODEL_NAME
@@ -74,6 +81,7 @@ def stack_config(
         args,
         gateway=parser.config(GatewayConfig, args, served_model_name=name),
         runner=parser.config(RunnerConfig, args, model_dir=model_dir, device=args.worker_device),
+        scheduler_service=parser.config(SchedulerServiceConfig, args),
         scheduler=configs[SchedulerConfig],
         sim=configs[SimConfig],
         log_dir=log_dir,

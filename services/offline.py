@@ -244,6 +244,12 @@ class LLM:
             )
         if any(loras) and not self.scheduler.config.max_loras:
             raise SamplingParamsError("LoRA is not enabled: LLM(enable_lora=True)", "lora_request")
+        for lora in {lora.lora_name: lora for lora in loras if lora is not None}.values():
+            try:
+                self.runner.check_lora(lora)
+            except ValueError as e:  # LoRAError
+                message = f"LoRA adapter {lora.lora_name}: {e}"
+                raise SamplingParamsError(message, "lora_request") from None
         return loras
 
     def _check(self, prompt: object, params: SamplingParams) -> tuple[str | None, list[int]]:

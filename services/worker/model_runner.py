@@ -36,7 +36,7 @@ from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.step_timer import StepTimer
 from services.worker.weight_format import convert_weights, pack_panels
 from shared.arith import cdiv
-from shared.wire import BatchPlan, ModelRunnerOutput, TokenLogprobs
+from shared.wire import BatchPlan, LoRARequest, ModelRunnerOutput, TokenLogprobs
 
 log = logging.getLogger("skiff.worker")
 
@@ -222,6 +222,12 @@ class ModelRunner:
 
     def _update_states(self, plan: BatchPlan) -> None:
         apply_plan_diff(self.batch, self.requests, plan, CachedRequestState)
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        """Raise `LoRAError` unless `lora` would load here (nothing is loaded)."""
+        if self.lora is None:
+            raise LoRAError("this worker runs without --enable-lora")
+        self.lora.check(lora)
 
     def _without_failed(self, plan: BatchPlan) -> BatchPlan:
         """`plan` without the requests failed here before its scheduler heard of it."""

@@ -19,6 +19,7 @@ from services.worker.health import StepWatch
 from services.worker.input_batch import InputBatch
 from services.worker.kv_tiers.stats import KVTierStats
 from services.worker.kv_transfer import BlockSource, TransferServer
+from services.worker.lora.errors import LoRAError
 from services.worker.metrics import WorkerMetrics
 from services.worker.step_timer import StepTimer
 from services.worker.tracing import BatchTraces
@@ -28,6 +29,9 @@ from shared.subjects import Subjects, worker_prefix
 from shared.tasks import BackgroundTasks
 from shared.wire import (
     BatchPlan,
+    LoRAAdapterReply,
+    LoRACheck,
+    LoRARequest,
     ModelRunnerOutput,
     SchedulerHeartbeat,
     WorkerGoodbye,
@@ -74,6 +78,10 @@ class Runner(Protocol):
         ...
 
     def execute(self, plan: BatchPlan) -> ModelRunnerOutput: ...
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        """Raise `LoRAError` unless this runner can run `lora` (read as a load would)."""
+        ...
 
     def reset(self) -> None: ...
 
@@ -216,10 +224,20 @@ class WorkerService:
         await bus.subscribe(
             self.nc, self.subjects.scheduler_heartbeat, SchedulerHeartbeat, self._on_scheduler_beat
         )
+        lora_check = self.subjects.lora_check(self.config.worker_id)
+        await bus.serve(self.nc, lora_check, LoRACheck, self._on_lora_check)
         await bus.publish(self.nc, self.subjects.worker_hello, self.hello())
         self._tasks.spawn(self._heartbeat(), "heartbeat")
         self._tasks.spawn(self._execute_loop(), "execute")
         log.info("worker %s up: %d KV blocks", self.config.worker_id, self.runner.num_blocks)
+
+    async def _on_lora_check(self, check: LoRACheck) -> LoRAAdapterReply:
+        """Read the adapter off the loop and the runner's thread (steps go on meanwhile)."""
+        try:
+            await asyncio.to_thread(self.runner.check_lora, check.lora)
+        except LoRAError as e:
+            return LoRAAdapterReply(ok=False, status=400, message=str(e))
+        return LoRAAdapterReply(ok=True, lora_path=check.lora.lora_path)
 
     async def _on_scheduler_beat(self, beat: SchedulerHeartbeat) -> None:
         self._epochs.heard(beat.epoch)

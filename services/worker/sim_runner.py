@@ -30,9 +30,10 @@ import numpy as np
 from services.worker.config import SIM_DEVICE, RunnerConfig, SimConfig
 from services.worker.input_batch import CachedRequestState, InputBatch, apply_plan_diff
 from services.worker.kv_tiers.sim_tiers import SIM_KV_BYTES_PER_TOKEN, SimKVTiers
+from services.worker.lora.errors import LoRAError
 from services.worker.model_config import ModelConfig
 from services.worker.step_timer import StepTimer
-from shared.wire import BatchPlan, ModelRunnerOutput, NewRequestData, TokenLogprobs
+from shared.wire import BatchPlan, LoRARequest, ModelRunnerOutput, NewRequestData, TokenLogprobs
 
 # KV cache of one H200 serving an 8B model (SIM_KV_BYTES_PER_TOKEN: 128 KiB per token). 141 GB
 # x 0.9 (vLLM's gpu_memory_utilization) is ~118 GiB; less ~15 GiB of weights and ~3 GiB of
@@ -137,6 +138,11 @@ class SimRunner:
             sim.sim_kv_load_gbps,
         )
         self.reset()
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        """A simulated worker runs any adapter its slots allow (it reads no weights)."""
+        if not self.config.enable_lora:
+            raise LoRAError("this worker runs without --enable-lora")
 
     def reset(self) -> None:
         """Forget every request (the scheduler that placed them is gone)."""

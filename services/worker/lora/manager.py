@@ -47,6 +47,10 @@ class LoRAManager:
     def step(self) -> LoRAStep:
         return self.weights.step
 
+    def check(self, lora: LoRARequest) -> None:
+        """Read `lora` as `load` would, into no slot; raises `LoRAError`."""
+        read_adapter(lora.lora_name, lora.lora_path, self.mc, self.max_rank, self.model_dir)
+
     def ensure_loaded(self, lora: LoRARequest, step: Collection[str] = ()) -> int:
         """The slot of `lora`, read into one first unless held (from the same directory),
         never into the slot of an adapter named in `step`; raises `LoRAError`."""
