@@ -112,6 +112,7 @@ def permissions(user: NatsUser, prefix: str, num_shards: int) -> Permissions | N
                     )
                 ),
                 *gateway_beats,
+                inbox,  # replies to its LoRA checks
             ),
             allow_responses=True,  # submit, adapter and stats replies
         )

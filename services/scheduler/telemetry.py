@@ -34,6 +34,8 @@ class Telemetry:
         self.prefix_summary_max_bytes = prefix_summary_max_bytes
         self.loras = loras if loras is not None else LoRARegistry({})
         self._counted: dict[Counter, int] = {}  # totals already added to each counter
+        self._lora_labels: set[tuple[str, str]] = set()  # skiff_lora_requests' label sets
+        self._lora_info: tuple[str, str, str] | None = None  # vllm:lora_requests_info's
 
     def heartbeat(self, leaving: bool = False) -> SchedulerHeartbeat:
         """Ready workers are the healthy ones; a leaving scheduler reports none, so gateways
@@ -122,18 +124,23 @@ class Telemetry:
         for r in self.placement.unplaced:
             if r.lora_name is not None:
                 counts[r.lora_name, "waiting"] = counts.get((r.lora_name, "waiting"), 0) + 1
+        # Samples are set before stale ones go: a scrape in between (the metrics server has
+        # a thread of its own) never sees none.
         m = self.metrics
-        m.lora_requests.clear()
-        for name in self.loras.names:
-            for state in ("running", "waiting"):
-                m.lora_requests.labels(name, state).set(counts.get((name, state), 0))
+        labels = {(name, state) for name in self.loras.names for state in ("running", "waiting")}
+        for name, state in labels:
+            m.lora_requests.labels(name, state).set(counts.get((name, state), 0))
+        for name, state in self._lora_labels - labels:  # unloaded adapters
+            m.lora_requests.remove(name, state)
+        self._lora_labels = labels
         max_lora = max((w.hello.max_loras for w in self.pool.workers.values()), default=0)
         running = sorted({name for (name, state) in counts if state == "running"})
         waiting = sorted({name for (name, state) in counts if state == "waiting"})
-        m.lora_requests_info.clear()
-        m.lora_requests_info.labels(str(max_lora), ",".join(running), ",".join(waiting)).set(
-            time.time()
-        )
+        info = (str(max_lora), ",".join(running), ",".join(waiting))
+        m.lora_requests_info.labels(*info).set(time.time())
+        if self._lora_info not in (None, info):
+            m.lora_requests_info.remove(*self._lora_info)
+        self._lora_info = info
 
     def _num_waiting(self, stats: list[WorkerStats]) -> int:
         return sum(s.num_waiting for s in stats) + len(self.placement.unplaced)

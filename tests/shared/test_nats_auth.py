@@ -74,6 +74,7 @@ def test_scheduler_permissions_answer_requests_without_an_inbox():
         "p.worker.result",
         "p.scheduler.stats",
         "p.gateway.heartbeat",
+        "_INBOX.scheduler.>",
     )
 
 

@@ -6,13 +6,11 @@ recently used first; a request whose adapter cannot run fails alone (failed_reqs
 
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from services.worker.config import RunnerConfig, SimConfig, WorkerServiceConfig
 from services.worker.model_runner import ModelRunner
@@ -20,6 +18,7 @@ from services.worker.service import WorkerService
 from services.worker.sim_runner import SimRunner
 from shared.sampling_params import SamplingParams
 from shared.wire import BatchPlan, CachedRequestData, LoRARequest, NewRequestData
+from tests.lora_adapters import ALL_PROJECTIONS, assert_greedy, base_model, make_adapters
 
 NUM_TOKENS = 16
 BLOCKS_PER_REQ = 4  # 64 tokens of 16
@@ -31,19 +30,7 @@ PROMPTS = [
 # name -> LoraConfig arguments: rank 8 on every projection; rank 16 with rsLoRA on some of
 # them in half the layers; rank 8 on q/k/up through PEFT's regex form
 ADAPTERS: dict[str, dict[str, Any]] = {
-    "r8": {
-        "r": 8,
-        "lora_alpha": 16,
-        "target_modules": [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
-    },
+    "r8": {"r": 8, "lora_alpha": 16, "target_modules": ALL_PROJECTIONS},
     "r16": {
         "r": 16,
         "lora_alpha": 32,
@@ -53,14 +40,6 @@ ADAPTERS: dict[str, dict[str, Any]] = {
     },
     "r8-qk-up": {"r": 8, "lora_alpha": 16, "target_modules": r".*\.(q_proj|k_proj|up_proj)"},
 }
-
-
-def assert_greedy(model: Any, prompt: list[int], tokens: list[int]) -> None:
-    """`tokens` is transformers' greedy continuation of `prompt`: at each position of
-    prompt + tokens the model's argmax is the next token (one forward, no decode loop)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
-    assert logits.argmax(-1).tolist() == tokens
 
 
 @pytest.fixture(scope="module")
@@ -73,24 +52,10 @@ def prompts(smollm2_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def adapters(smollm2_dir, tmp_path_factory) -> dict[str, tuple[LoRARequest | None, Any]]:
-    """Each adapter (saved by peft, lora_B random: peft starts it at zero) and transformers'
-    model with it merged into the weights; "base": no adapter, the base model."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    out: dict[str, tuple[LoRARequest | None, Any]] = {"base": (None, base)}
-    g = torch.Generator().manual_seed(0)
-    for name, kwargs in ADAPTERS.items():
-        peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(**kwargs))
-        for param_name, param in peft_model.named_parameters():
-            if "lora_B" in param_name:
-                param.data = torch.randn(param.shape, generator=g) * 0.1
-        path = tmp_path_factory.mktemp(name)
-        peft_model.save_pretrained(path)
-        merged = peft_model.merge_and_unload().eval()
-        out[name] = (LoRARequest(lora_name=name, lora_path=str(path)), merged)
-    return out
+    """Each adapter and transformers' model with it merged; "base": the base model."""
+    base = base_model(smollm2_dir)
+    made = make_adapters(base, tmp_path_factory.mktemp("adapters"), ADAPTERS)
+    return {"base": (None, base), **made}
 
 
 @pytest.fixture(scope="module")
