@@ -408,9 +408,7 @@ class Scheduler:
         active_loras = {r.lora_name for r in self.running if r.lora is not None}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            name = request.lora_name
-            full = len(active_loras) >= self.config.max_loras
-            if name is not None and name not in active_loras and full:
+            if not self._lora_fits(request, active_loras):
                 skipped.append(self.waiting.pop())
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -439,31 +437,48 @@ class Scheduler:
                     )
                 )
             else:
-                new_reqs.append(
-                    NewRequestData(
-                        req_id=request.req_id,
-                        prompt_token_ids=request.prompt_token_ids,
-                        output_token_ids=list(request.output_token_ids),  # a snapshot
-                        sampling_params=request.sampling_params,
-                        block_ids=new_block_ids,
-                        num_computed_tokens=num_hit_tokens,
-                        lora=request.lora,
-                    )
-                )
+                new_reqs.append(self._new_request_data(request, new_block_ids, num_hit_tokens))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            if name is not None:
-                active_loras.add(name)
-                self.resident_loras[name] = None
-                self.resident_loras.move_to_end(name)
-                while len(self.resident_loras) > self.config.max_loras:
-                    self.resident_loras.popitem(last=False)
+            self._lora_admitted(request, active_loras)
             num_scheduled[request.req_id] = num_new
             self._advance(request, num_new)
             budget -= num_new
         for request in reversed(skipped):  # back in their places
             self.waiting.prepend(request)
         return budget
+
+    @staticmethod
+    def _new_request_data(
+        request: Request, block_ids: list[int], num_computed_tokens: int
+    ) -> NewRequestData:
+        """The request in full, for a worker that does not hold it."""
+        return NewRequestData(
+            req_id=request.req_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),  # a snapshot
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=num_computed_tokens,
+            lora=request.lora,
+        )
+
+    def _lora_fits(self, request: Request, active_loras: set[str | None]) -> bool:
+        """Whether the request's adapter (if any) is among the step's `active_loras` or
+        one more fits the worker's slots."""
+        name = request.lora_name
+        return name is None or name in active_loras or len(active_loras) < self.config.max_loras
+
+    def _lora_admitted(self, request: Request, active_loras: set[str | None]) -> None:
+        """Count an admitted request's adapter as active and as resident (most recent)."""
+        name = request.lora_name
+        if name is None:
+            return
+        active_loras.add(name)
+        self.resident_loras[name] = None
+        self.resident_loras.move_to_end(name)
+        while len(self.resident_loras) > self.config.max_loras:
+            self.resident_loras.popitem(last=False)
 
     def _admitted(self, request: Request, num_hit_tokens: int) -> None:
         """Count the prefix lookup of a request admitted with `num_hit_tokens` cached, or land

@@ -84,13 +84,9 @@ class SchedulerService:
         self.gateways = GatewayLiveness()
         self.num_orphans_aborted = 0
         self.telemetry = Telemetry(
-            self.epoch,
-            self.pool,
-            self.placement,
-            self.metrics,
-            config.prefix_summary_max_bytes,
-            self.loras,
+            self.epoch, self.pool, self.placement, self.metrics, config.prefix_summary_max_bytes
         )
+        self.telemetry.loras = self.loras
         self.traces = RequestTraces(tracing.tracer) if tracing.tracer else None
         self.deadline = StepDeadline(config.step_timeout, config.step_timeout_per_token)
         self.nc: Client  # set by start()

@@ -29,6 +29,7 @@ from services.worker.loader import load_model
 from services.worker.lora.errors import LoRAError
 from services.worker.lora.manager import LoRAManager
 from services.worker.model_config import ModelConfig
+from services.worker.models.decoder import DecoderForCausalLM
 from services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from services.worker.sampler import prompt_logprobs as prompt_lp
 from services.worker.sampler.metadata import GrammarMask
@@ -58,6 +59,27 @@ class StepInputs:
 _PromptSpan = tuple[CachedRequestState, int, range, int, int]
 
 
+def _load_weights(
+    config: RunnerConfig,
+    mc: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+) -> DecoderForCausalLM:
+    """The checkpoint, its projections in the CPU weight format `config` names and, on the
+    CPU with the C++ ops, packed in panels."""
+    model = load_model(
+        config.model_dir, mc, get_attention_backend(device), device, dtype, max_positions
+    )
+    if config.cpu_weights != "fp32":
+        if not cpu_ops.load():
+            raise RuntimeError(f"--cpu-weights {config.cpu_weights} needs the C++ CPU ops")
+        convert_weights(model, config.cpu_weights)
+    if device.type == "cpu" and cpu_ops.load():
+        pack_panels(model, config.cpu_weights)
+    return model
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -77,31 +99,8 @@ class ModelRunner:
         mc = self.model_config = model_config or ModelConfig.from_dir(config.model_dir)
         self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
         dtype = getattr(torch, config.dtype)
-        self.model = load_model(
-            config.model_dir,
-            mc,
-            get_attention_backend(self.device),
-            self.device,
-            dtype,
-            self.max_model_len,
-        )
-        if config.cpu_weights != "fp32":
-            if not cpu_ops.load():
-                raise RuntimeError(f"--cpu-weights {config.cpu_weights} needs the C++ CPU ops")
-            convert_weights(self.model, config.cpu_weights)
-        if self.device.type == "cpu" and cpu_ops.load():
-            pack_panels(self.model, config.cpu_weights)
-        self.lora: LoRAManager | None = None
-        if config.enable_lora:
-            self.lora = LoRAManager(
-                self.model,
-                mc,
-                config.model_dir,
-                config.max_loras,
-                config.max_lora_rank,
-                self.device,
-                dtype,
-            )
+        self.model = _load_weights(config, mc, self.device, dtype, self.max_model_len)
+        self.lora = self._lora_manager(dtype)
         # One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
         shape = (2, self.num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
         self.kv_caches = [
@@ -112,9 +111,7 @@ class ModelRunner:
         self.grammar_bitmask = GrammarBitmask(config.max_num_seqs, mc.vocab_size, self.device)
         self.batch = self._new_batch()
         self.requests: dict[str, CachedRequestState] = {}
-        # Requests failed here (failed_reqs) that plans already sent may still schedule,
-        # until a plan lists them as finished
-        self._failed_req_ids: set[str] = set()
+        self._failed_req_ids: set[str] = set()  # failed here, still in plans sent before
         self.sampler = Sampler()
         self.timer = StepTimer(cuda=self.device.type == "cuda")
         self.num_tokens_computed = 0  # all tokens run through the model so far
@@ -133,6 +130,21 @@ class ModelRunner:
         cpu = self.device.type == "cpu"
         if cpu and config.fused_cpu_decode and FusedCpuDecode.supports(self.model):
             self.fused_cpu_decode = FusedCpuDecode(self.model, self.kv_caches)
+
+    def _lora_manager(self, dtype: torch.dtype) -> LoRAManager | None:
+        """The adapter slots, with --enable-lora."""
+        c = self.config
+        if not c.enable_lora:
+            return None
+        return LoRAManager(
+            self.model,
+            self.model_config,
+            c.model_dir,
+            c.max_loras,
+            c.max_lora_rank,
+            self.device,
+            dtype,
+        )
 
     def reset(self) -> None:
         """Forget every request (the scheduler that placed them is gone)."""
