@@ -466,6 +466,8 @@ def test_dashboard_names_only_exported_metrics():
         "skiff_kv_tier_blocks_lost_total",
         "vllm:external_prefix_cache_hits_total",
         "skiff_gateway_shard_requests_total",
+        "skiff_lora_requests",
+        "vllm:lora_requests_info",
     ):
         assert name in used, name
 

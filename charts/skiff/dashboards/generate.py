@@ -477,6 +477,37 @@ def overview() -> Board:
                 ],
             ),
             Row(
+                "LoRA adapters",
+                [
+                    Panel(
+                        "Requests per adapter",
+                        "short",
+                        [
+                            (
+                                "sum by (adapter, state) (skiff_lora_requests)",
+                                "{{adapter}} {{state}}",
+                            )
+                        ],
+                        width=12,
+                        description="Running and waiting requests of each served LoRA adapter "
+                        "(docs/lora.md).",
+                    ),
+                    Panel(
+                        "Adapters in use",
+                        "short",
+                        [
+                            (
+                                "count by (running_lora_adapters) (vllm:lora_requests_info)",
+                                "{{running_lora_adapters}}",
+                            )
+                        ],
+                        width=12,
+                        description="vLLM's lora_requests_info: the adapters of the running "
+                        "requests (comma-separated).",
+                    ),
+                ],
+            ),
+            Row(
                 "Steps",
                 [
                     Panel(
