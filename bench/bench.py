@@ -5,7 +5,8 @@ number: the machine is shared and noisy. Sections: the offline engine vs transfo
 batches, single-request decode speed, llama.cpp's `llama-server` on the same workload through
 the same client at each --llama-cpp-slots and its `llama-bench` single-stream decode
 (--no-llama-cpp skips it; built once, see bench/llamacpp.py), the HTTP path through a real
-stack (--no-served skips it) and the sampler's cost per step (--no-sampler skips it). The
+stack (--no-served skips it), the sampler's cost per step (--no-sampler skips it) and LoRA
+adapters (bench/lora.py, --no-lora skips it). The
 machine's fp32 GEMM GFLOP/s and memory bandwidth are measured in the same run.
 Writes bench/results/cpu-<family>.json and cpu-<family>.txt (what it printed), one pair per CPU
 family (`roofline.family_slug`: vendor, brand, AMD's Zen generation, widest extension tier,
@@ -21,7 +22,8 @@ tokens/s / llama-bench's), `throughput ratio vs llama.cpp: X.XX` (skiff served /
 at its best slot count), `single-stream ratio vs llama.cpp: X.XX` (skiff's decode steps of one
 request, prefill excluded as llama-bench's tg64 excludes it / llama-bench tg64; the two take
 turns three times and each keeps its best) and `throughput ratio vs transformers: X.XX`, after
-a `cpu: ...` line naming the CPU, its extensions and the ISA of skiff's C++ kernels.
+a `cpu: ...` line naming the CPU, its extensions and the ISA of skiff's C++ kernels, with
+`lora throughput ratio 16 adapters / base: X.XX` before the last.
 """
 
 from __future__ import annotations
@@ -155,6 +157,12 @@ def main() -> None:
     )
     p.add_argument(
         "--no-sampler", dest="sampler", action="store_false", help="skip the sampler section"
+    )
+    p.add_argument(
+        "--no-lora",
+        dest="lora",
+        action="store_false",
+        help="skip the LoRA section (the workload over 1, 4 and 16 adapters vs base only)",
     )
     p.add_argument(
         "--no-llama-cpp",
@@ -307,6 +315,12 @@ def run(args: argparse.Namespace, out: Path) -> None:
             llm, llama, llama_threads, served=args.served, llama_missing=llama_missing
         )
 
+    lora = None
+    if args.lora:
+        from bench import lora as lora_bench
+
+        lora = lora_bench.run(prompts, outputs)
+
     sampler: tuple[list[SamplerRow], DecodeShare] | None = None
     if args.sampler:
         from bench.sampler_bench import report, run_sampler_bench
@@ -353,6 +367,7 @@ def run(args: argparse.Namespace, out: Path) -> None:
                 "machine": machine,
                 "long_prompts": long.as_json() if long else None,
                 "sampler": [*sampler[0], sampler[1]] if sampler else None,
+                "lora": lora,
             },
             indent=2,
         )
@@ -367,6 +382,8 @@ def run(args: argparse.Namespace, out: Path) -> None:
         skiff_served, best_llama, ours_tg, llama_single, llama_missing
     ):
         print(line)
+    if lora:
+        print(f"lora throughput ratio 16 adapters / base: {lora['16 adapters / base']:.2f}")
     print(f"throughput ratio vs transformers: {rows[0][1] / best_hf:.2f}")
 
 
