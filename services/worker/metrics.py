@@ -44,6 +44,8 @@ class WorkerMetrics:
         self._add_device_metrics()
         self.kv_tiers = KVTierCollector()
         r.register(self.kv_tiers)
+        self.lora = LoRACollector()
+        r.register(self.lora)
 
     def _add_step_metrics(self) -> None:
         """Per step: time, phases, tokens, requests and how the forward pass ran."""
@@ -138,6 +140,7 @@ class WorkerSeries:
         m.nats_connected.labels(wid).set_function(lambda: float(connected()))
         self._memory = m.device_memory
         self._kv_tiers = m.kv_tiers
+        self._lora = m.lora
         self._wid = wid
 
     def observe_step(self, seconds: float, num_tokens: int, num_reqs: int) -> None:
@@ -155,6 +158,12 @@ class WorkerSeries:
         """The KV tiers' series of this worker, from `stats` and the bytes its KV-transfer
         server sent (`served_bytes`), read at each scrape."""
         self._kv_tiers.watch(self._wid, stats, served_bytes)
+
+    def watch_lora(self, runner: Any) -> None:
+        """The adapter slots of a runner with LoRA on (`runner.lora`), read at each scrape."""
+        lora = getattr(runner, "lora", None)
+        if lora is not None:
+            self._lora.watch(self._wid, lora)
 
     def set_kv_blocks(self, batch: InputBatch, num_blocks: int) -> None:
         used = kv_blocks_in_use(batch)
@@ -258,6 +267,49 @@ class KVTierCollector(Collector):
             _add_counts(disk, wid, DISK_OPS, stats.read(stats.disk_errors))
             served.add_metric([wid], served_bytes())
         yield from (blocks, offload, loads, load_seconds, failures, disk, served)
+
+
+class LoRACollector(Collector):
+    """The LoRA adapter slots of every worker of the process with LoRA on: adapters read
+    into a slot, the time that took, adapters evicted, slots in use."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, Any] = {}  # worker id -> its LoRAManager
+        self._lock = threading.Lock()
+
+    def watch(self, wid: str, manager: Any) -> None:
+        with self._lock:
+            self._workers[wid] = manager
+
+    def collect(self) -> Iterator[Metric]:
+        loads = CounterMetricFamily(
+            "skiff_worker_lora_loads", "LoRA adapters read into a slot.", labels=WID
+        )
+        seconds = CounterMetricFamily(
+            "skiff_worker_lora_load_seconds",
+            "Time spent reading LoRA adapters into slots.",
+            labels=WID,
+        )
+        evictions = CounterMetricFamily(
+            "skiff_worker_lora_evictions",
+            "LoRA adapters that gave their slot up to another (least recently used first).",
+            labels=WID,
+        )
+        slots = GaugeMetricFamily(
+            "skiff_worker_lora_slots",
+            "LoRA adapter slots, used (holding an adapter) or free.",
+            labels=[*WID, "state"],
+        )
+        with self._lock:
+            workers = list(self._workers.items())
+        for wid, m in workers:
+            loads.add_metric([wid], m.num_loads)
+            seconds.add_metric([wid], m.load_seconds)
+            evictions.add_metric([wid], m.slots.num_evictions)
+            used = len(m.slots.names())
+            slots.add_metric([wid, "used"], used)
+            slots.add_metric([wid, "free"], m.max_loras - used)
+        yield from (loads, seconds, evictions, slots)
 
 
 def _add_counts(

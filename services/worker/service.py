@@ -117,6 +117,7 @@ class WorkerService:
         self.series.watch_device(runner)
         self.series.set_kv_blocks(runner.batch, runner.num_blocks)
         self.series.watch_kv_tiers(runner.kv_tiers.stats, lambda: 0)
+        self.series.watch_lora(runner)
         self._kv_measured_at = 0.0  # time.monotonic() of the last KV block count
         http = WorkerHttpConfig()
         self.watch = watch or StepWatch(

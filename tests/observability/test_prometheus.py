@@ -159,6 +159,9 @@ def test_every_target_is_scraped_including_the_real_worker(prometheus, traffic):
 NEEDS_ANOTHER_STACK = {
     "skiff_pd_transfer_seconds_bucket": "hand-overs need a prefill worker: "
     "tests/e2e/test_disaggregation.py reads this histogram",
+    "skiff_lora_requests": "adapters need a stack serving some: tests/e2e/test_lora.py",
+    "skiff_worker_lora_": "adapter slots need a worker with --enable-lora: "
+    "tests/worker/test_lora.py reads these series",
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from services.worker.config import RunnerConfig, SimConfig, WorkerServiceConfig
+from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
 from services.worker.service import WorkerService
 from services.worker.sim_runner import SimRunner
@@ -226,6 +227,28 @@ def run_failing_step(
             tokens[r] += t
     driver.execute(finished_req_ids=ids)
     return {ids.index(r): reason for r, reason in failed.items()}, [tokens.get(r) for r in ids]
+
+
+def test_the_worker_metrics_count_loads_evictions_and_slots(driver, runner, prompts, adapters):
+    assert runner.lora is not None
+    metrics = WorkerMetrics("m")
+    metrics.worker("w", lambda: True).watch_lora(runner)
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"worker_id": "w", **labels})
+
+    loads, evictions = (
+        value("skiff_worker_lora_loads_total"),
+        value("skiff_worker_lora_evictions_total"),
+    )
+    held = runner.lora.slots.names()
+    new = next(name for name in ADAPTERS if name not in held)  # evicts one of two held
+    run(driver, adapters, [(prompts[0], new)])
+    assert value("skiff_worker_lora_loads_total") == loads + 1
+    assert value("skiff_worker_lora_evictions_total") == evictions + (len(held) == 2)
+    assert value("skiff_worker_lora_load_seconds_total") > 0
+    assert value("skiff_worker_lora_slots", state="used") == 2
+    assert value("skiff_worker_lora_slots", state="free") == 0
 
 
 def test_a_step_of_more_adapters_than_slots_fails_only_the_extra_request(

@@ -807,6 +807,42 @@ def workers() -> Board:
                     ),
                 ],
             ),
+            Row(
+                "LoRA adapters",
+                [
+                    Panel(
+                        "Adapter loads and evictions",
+                        "ops",
+                        [
+                            (
+                                rate("skiff_worker_lora_loads_total", w, "worker_id"),
+                                "{{worker_id}} loads",
+                            ),
+                            (
+                                rate("skiff_worker_lora_evictions_total", w, "worker_id"),
+                                "{{worker_id}} evictions",
+                            ),
+                        ],
+                        width=12,
+                        description="Adapters read into a slot, and adapters that gave theirs "
+                        "up (least recently used first): many evictions mean too few slots "
+                        "(--max-loras) for the adapters in use (docs/lora.md).",
+                    ),
+                    Panel(
+                        "Adapter slots in use",
+                        "short",
+                        [
+                            (
+                                "sum by (worker_id) "
+                                f'(skiff_worker_lora_slots{{{w}, state="used"}})',
+                                "{{worker_id}}",
+                            )
+                        ],
+                        width=12,
+                        description="Slots holding an adapter, of --max-loras.",
+                    ),
+                ],
+            ),
         ],
     )
 

@@ -42,6 +42,8 @@ class LoRAManager:
         self.weights = LoRAWeights(model, mc, max_loras, max_rank, device, dtype)
         self.slots = SlotTable(max_loras)
         self._paths: dict[str, str] = {}  # the directory each held adapter was read from
+        self.num_loads = 0  # adapters read into a slot
+        self.load_seconds = 0.0  # the time those reads took
 
     @property
     def step(self) -> LoRAStep:
@@ -88,6 +90,8 @@ class LoRAManager:
             self._paths.pop(lora.lora_name, None)
             raise
         self._paths[lora.lora_name] = lora.lora_path
+        self.num_loads += 1
+        self.load_seconds += time.perf_counter() - start
         log.info(
             "LoRA adapter %s (rank %d, %s) in slot %d: %.0f ms",
             lora.lora_name,

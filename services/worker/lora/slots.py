@@ -13,6 +13,7 @@ class SlotTable:
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
         self._slots: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self.num_evictions = 0  # adapters that gave their slot up to another
 
     def __contains__(self, name: str) -> bool:
         return name in self._slots
@@ -39,6 +40,7 @@ class SlotTable:
                     f"a step uses more adapters than this worker's max_loras {self.max_loras}"
                 )
             slot = self._slots.pop(victim)
+            self.num_evictions += 1
         self._slots[name] = slot
         return slot
 
