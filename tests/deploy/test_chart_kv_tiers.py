@@ -226,6 +226,7 @@ def test_every_worker_setting_is_a_chart_value_or_left_out_on_purpose() -> None:
         'nats={"tls": {"enabled": true, "secretName": "nats-tls"}}',
         'otlpTracesEndpoint="http://otel-collector:4318"',
         'worker.kvOffloading={"hostGiB": 1, "diskGiB": 1}',  # over the case's own values
+        'lora={"enabled": true, "volume": {"emptyDir": {}}}',
     ]
     set_by_chart: set[str] = set()
     for case in (CPU, SIM, GPU_PVC):

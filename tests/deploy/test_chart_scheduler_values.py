@@ -88,6 +88,7 @@ def test_every_scheduler_setting_is_a_chart_value_or_left_out_on_purpose():
     optional = scheduler_env(
         'nats={"tls": {"enabled": true, "secretName": "nats-tls"}}',
         'otlpTracesEndpoint="http://otel-collector:4318"',
+        'lora={"enabled": true, "runtimeLoading": true, "volume": {"emptyDir": {}}}',
     )
     set_by_chart = set(elected) | set(optional)
     assert not set(NOT_IN_CHART) & set_by_chart, "set by the chart: drop it from NOT_IN_CHART"

@@ -90,8 +90,8 @@ repo and revision: (dict "ctx" $ "image" .Values.worker.image "volume" "model"
 {{/* The scheduler's --lora-modules: "name=/adapters/dir ..." of lora.modules, sorted. */}}
 {{- define "skiff.loraModules" -}}
 {{- $items := list }}
-{{- range $name, $dir := .Values.lora.modules }}
-{{- $items = append $items (printf "%s=/adapters/%s" $name (trimPrefix "/" $dir)) }}
+{{- range $name := keys .Values.lora.modules | sortAlpha }}
+{{- $items = append $items (printf "%s=/adapters/%s" $name (trimPrefix "/" (get $.Values.lora.modules $name))) }}
 {{- end }}
 {{- join " " $items }}
 {{- end }}
