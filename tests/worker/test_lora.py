@@ -91,6 +91,7 @@ class Driver:
         reqs: list[tuple[list[int], LoRARequest | None]],
         starts: list[int] | None = None,
         chunk: int = 1 << 30,
+        params: SamplingParams | None = None,
     ) -> list[list[int]]:
         ids = [f"req-{self.num_reqs + i}" for i in range(len(reqs))]
         self.num_reqs += len(reqs)
@@ -106,7 +107,7 @@ class Driver:
                     left = len(prompt) - computed[req_id]
                     sched[req_id] = min(chunk, left) if left > 0 else 1
                     if step == starts[i]:
-                        new.append(self._new(req_id, prompt, lora, i))
+                        new.append(self._new(req_id, prompt, lora, i, params))
                     else:
                         cached.append(
                             CachedRequestData(
@@ -127,11 +128,17 @@ class Driver:
         return [tokens[req_id] for req_id in ids]
 
     @staticmethod
-    def _new(req_id: str, prompt: list[int], lora: LoRARequest | None, i: int) -> NewRequestData:
+    def _new(
+        req_id: str,
+        prompt: list[int],
+        lora: LoRARequest | None,
+        i: int,
+        params: SamplingParams | None = None,
+    ) -> NewRequestData:
         return NewRequestData(
             req_id=req_id,
             prompt_token_ids=prompt,
-            sampling_params=SamplingParams(temperature=0.0),
+            sampling_params=params or SamplingParams(temperature=0.0),
             block_ids=list(range(i * BLOCKS_PER_REQ, (i + 1) * BLOCKS_PER_REQ)),
             num_computed_tokens=0,
             lora=lora,
@@ -168,6 +175,21 @@ def test_adapters_and_the_base_model_share_a_batch(driver, prompts, adapters):
     assert mixed[:3] == alone
     assert run(driver, adapters, [(p2, "r8"), (p1, "base")])[0] == mixed[3]
     assert run(driver, adapters, [(p2, "base")])[0] not in (mixed[2], mixed[3])
+
+
+def test_seeded_sampling_does_not_depend_on_the_adapters_sharing_the_batch(
+    driver, prompts, adapters
+):
+    """A seeded, sampled request of r8 gets the same tokens alone and beside an r16 and a
+    base request; so does the base request."""
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    p0, p1, p2 = prompts
+    r8, r16 = adapters["r8"][0], adapters["r16"][0]
+    (alone,) = driver.generate([(p1, r8)], params=seeded)
+    (base_alone,) = driver.generate([(p2, None)], params=seeded)
+    mixed = driver.generate([(p0, r16), (p1, r8), (p2, None)], params=seeded)
+    assert mixed[1:] == [alone, base_alone]
+    assert alone != driver.generate([(p1, r8)])[0]  # it samples: not the greedy tokens
 
 
 def test_adapter_prefill_chunks_share_steps_with_other_decodes(driver, prompts, adapters):
