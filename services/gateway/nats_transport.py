@@ -137,7 +137,7 @@ class NatsTransport:
 
     async def _connect(self, on_output: Callable[[OutputBatch], Awaitable[None]]) -> None:
         try:
-            self._nc = await bus.connect(
+            nc = await bus.connect(
                 self.servers,
                 f"skiff-gateway-{self.gateway_id}",
                 options=self.connect_options,
@@ -146,11 +146,11 @@ class NatsTransport:
             )
             for index, shard in enumerate(self.shards):
                 s = shard.subjects
-                await bus.subscribe(self._nc, s.output(self.gateway_id), OutputBatch, on_output)
+                await bus.subscribe(nc, s.output(self.gateway_id), OutputBatch, on_output)
                 on_heartbeat = functools.partial(self._on_heartbeat, index)
-                await bus.subscribe(
-                    self._nc, s.scheduler_heartbeat, SchedulerHeartbeat, on_heartbeat
-                )
+                await bus.subscribe(nc, s.scheduler_heartbeat, SchedulerHeartbeat, on_heartbeat)
+            await nc.flush()  # the server has the subscriptions: nothing sent from now is missed
+            self._nc = nc  # connected from here on
         except Exception:
             logger.exception("cannot connect to NATS at %s", self.servers)
             return  # logged once here, with the servers (not again as a task crash)
