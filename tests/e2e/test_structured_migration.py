@@ -95,16 +95,19 @@ def test_structured_streams_survive_a_worker_kill(two_cpu_workers, expected):
 
     async def run() -> tuple[list[tuple[str, str]], str]:
         client = AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=300)
-        progress = [0] * len(SEEDS)
-        tasks = [asyncio.create_task(stream(client, s, progress, i)) for i, s in enumerate(SEEDS)]
-        while min(progress) < 8:  # every stream well under way, none finished
-            assert not any(t.done() for t in tasks), "a stream ended before the kill"
-            await asyncio.sleep(0.05)
-        workers = (await asyncio.to_thread(scheduler_stats, stack))["workers"]
-        victim = max(workers, key=lambda w: workers[w]["num_running"])
-        assert workers[victim]["num_running"] > 0
-        stack.kill(victim)
-        return await asyncio.gather(*tasks), victim
+        async with client:  # closed on this loop, not collected later on a closed one
+            progress = [0] * len(SEEDS)
+            tasks = [
+                asyncio.create_task(stream(client, s, progress, i)) for i, s in enumerate(SEEDS)
+            ]
+            while min(progress) < 8:  # every stream well under way, none finished
+                assert not any(t.done() for t in tasks), "a stream ended before the kill"
+                await asyncio.sleep(0.05)
+            workers = (await asyncio.to_thread(scheduler_stats, stack))["workers"]
+            victim = max(workers, key=lambda w: workers[w]["num_running"])
+            assert workers[victim]["num_running"] > 0
+            stack.kill(victim)
+            return await asyncio.gather(*tasks), victim
 
     results, victim = asyncio.run(run())
     assert victim not in scheduler_stats(stack)["workers"]
