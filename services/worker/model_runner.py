@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kernels import cpu_ops
-from kernels.lora_mapping import LoRAMapping
+from kernels.lora_mapping import NO_LORA, LoRAMapping
 from services.worker.attention import AttentionMetadata, get_attention_backend
 from services.worker.config import RunnerConfig
 from services.worker.cpu_decode import FusedCpuDecode
@@ -112,6 +112,7 @@ class ModelRunner:
         self.batch = self._new_batch()
         self.requests: dict[str, CachedRequestState] = {}
         self._failed_req_ids: set[str] = set()  # failed here, still in plans sent before
+        self._step_slots: dict[str, int] = {}  # the step's adapters -> their slot
         self.sampler = Sampler()
         self.timer = StepTimer(cuda=self.device.type == "cuda")
         self.num_tokens_computed = 0  # all tokens run through the model so far
@@ -260,7 +261,7 @@ class ModelRunner:
         requests whose adapter cannot have one (LoRA off, a checkpoint that fails to load,
         more adapters than slots) leave the batch. Returns their reasons by request id."""
         failed: dict[str, str] = {}
-        held: list[str] = []  # adapters of this step with a slot
+        held = self._step_slots = {}  # adapters of this step -> their slot
         for req_id in plan.num_scheduled_tokens:
             lora = self.requests[req_id].lora
             if lora is None or lora.lora_name in held:
@@ -268,8 +269,7 @@ class ModelRunner:
             try:
                 if self.lora is None:
                     raise LoRAError("this worker runs without --enable-lora")
-                self.lora.ensure_loaded(lora, held)
-                held.append(lora.lora_name)
+                held[lora.lora_name] = self.lora.ensure_loaded(lora, held)
             except LoRAError as e:
                 failed[req_id] = f"LoRA adapter {lora.lora_name}: {e}"
         for req_id, reason in failed.items():
@@ -325,13 +325,12 @@ class ModelRunner:
 
     def _lora_mapping(self, req_ids: list[str], token_req: np.ndarray) -> LoRAMapping | None:
         """Each scheduled token's adapter slot (`token_req` [num_tokens]: its request's index
-        in `req_ids`), the adapters not held loaded first; None when no request has one."""
-        if self.lora is None:
+        in `req_ids`), as `_drop_unrunnable_loras` gave them; None when no request has one."""
+        if not self._step_slots:
             return None
-        loras = [self.requests[r].lora for r in req_ids]
-        if all(lora is None for lora in loras):
-            return None
-        token_lora_indices = self.lora.request_slots(loras)[token_req]  # [num_tokens]
+        slots = [self._step_slots.get(lora.lora_name, NO_LORA) if lora else NO_LORA
+                 for lora in (self.requests[r].lora for r in req_ids)]  # fmt: skip
+        token_lora_indices = np.asarray(slots, dtype=np.int64)[token_req]  # [num_tokens]
         return LoRAMapping.build(torch.from_numpy(token_lora_indices).to(self.device))
 
     def _grammar_mask(self, rows: np.ndarray) -> GrammarMask | None:

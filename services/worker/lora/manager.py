@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 
-import numpy as np
 import torch
 from torch import nn
 
-from kernels.lora_mapping import NO_LORA
 from services.worker.lora.checkpoint import read_adapter
-from services.worker.lora.errors import LoRAError
 from services.worker.lora.slots import SlotTable
 from services.worker.lora.weights import LoRAStep, LoRAWeights
 from services.worker.model_config import ModelConfig
@@ -60,21 +57,6 @@ class LoRAManager:
             return self.slots.use(lora.lora_name)
         self.slots.release(lora.lora_name)  # held from another directory: read again
         return self.load(lora, step)
-
-    def request_slots(self, loras: Sequence[LoRARequest | None]) -> np.ndarray:
-        """[num_reqs] int64: the slot of each request's adapter (NO_LORA: the base model),
-        loading those not held."""
-        step = {lora.lora_name: lora for lora in loras if lora is not None}
-        if len(step) > self.max_loras:
-            raise LoRAError(
-                f"a step uses {len(step)} adapters, this worker's max_loras is {self.max_loras}"
-            )
-        slot_of = {name: self.ensure_loaded(lora, step.keys()) for name, lora in step.items()}
-        return np.fromiter(
-            (NO_LORA if lora is None else slot_of[lora.lora_name] for lora in loras),
-            np.int64,
-            len(loras),
-        )
 
     def load(self, lora: LoRARequest, step: Collection[str] = ()) -> int:
         """Read `lora` into a slot (not one of the adapters named in `step`); its slot."""
