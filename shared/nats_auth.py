@@ -3,7 +3,9 @@
 routes).
 
 Roles: `admin` (operators and tests: everything), `gateway`, `scheduler` (every shard) and one
-`worker` user per worker process, allowed only its own workers' plans. Each user's
+`worker` user per worker process, allowed only its own workers' plans. A deployment serving
+several models has one subject prefix (and shard count) per model (`ModelSubjects`): the gateway
+and scheduler users get the subjects of every model, a worker user those of its own model. Each user's
 request-reply inboxes are `_INBOX.<user>.*` (`inbox_prefix`), readable by that user alone; a
 scheduler may answer requests (`allow_responses`) without publishing on anyone's inbox.
 
@@ -18,6 +20,7 @@ import json
 import os
 import secrets
 import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +49,7 @@ class NatsUser:
     password: str
     role: str
     worker_ids: tuple[str, ...] = ()
+    prefix: str = ""  # a worker's model's subject prefix ("": the first model's)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -55,6 +59,14 @@ class NatsUser:
                 raise ValueError(f"user names and worker ids must match [A-Za-z0-9_-]+: {token!r}")
         if (self.role == WORKER) != bool(self.worker_ids):
             raise ValueError(f"user {self.name!r}: worker ids belong to (and only to) workers")
+
+
+@dataclass(frozen=True)
+class ModelSubjects:
+    """The subjects of one model's scheduler shards and workers."""
+
+    prefix: str
+    num_shards: int = 1
 
 
 @dataclass(frozen=True)
@@ -70,53 +82,71 @@ def _unique(*subjects: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(subjects))
 
 
-def permissions(user: NatsUser, prefix: str, num_shards: int) -> Permissions | None:
-    """What `user` may do on a deployment with this prefix and shard count (None: anything)."""
-    shards = [Subjects(p) for p in shard_prefixes(prefix, num_shards)]
-    # Gateway heartbeats: on every shard's prefix and the deployment's own.
-    gateway_beats = _unique(*(s.gateway_heartbeat for s in [Subjects(prefix), *shards]))
-    inbox = f"{inbox_prefix(user.name)}.>"
+def permissions(
+    user: NatsUser, prefix: str, num_shards: int, models: Sequence[ModelSubjects] = ()
+) -> Permissions | None:
+    """What `user` may do on a deployment with this prefix and shard count, and the `models`
+    served beside it on prefixes of their own (None: anything)."""
+    deployments = [ModelSubjects(prefix, num_shards), *models]
     if user.role == ADMIN:
         return None
+    if user.role == WORKER:
+        (own,) = [m for m in deployments if m.prefix == (user.prefix or prefix)] or [None]
+        if own is None:
+            raise ValueError(f"worker user {user.name!r}: no model has prefix {user.prefix!r}")
+        return _worker_permissions(user, own)
+    parts = [_service_permissions(user, m) for m in deployments]
+    return Permissions(
+        publish=_unique(*(x for p in parts for x in p.publish)),
+        subscribe=_unique(*(x for p in parts for x in p.subscribe), f"{inbox_prefix(user.name)}.>"),
+        allow_responses=user.role == SCHEDULER,  # submit, adapter and stats replies
+    )
+
+
+def _service_permissions(user: NatsUser, model: ModelSubjects) -> Permissions:
+    """A gateway's or scheduler's subjects on one model's prefix (its inbox apart)."""
+    shards = [Subjects(p) for p in shard_prefixes(model.prefix, model.num_shards)]
+    # Gateway heartbeats: on every shard's prefix and the model's own.
+    gateway_beats = _unique(*(s.gateway_heartbeat for s in [Subjects(model.prefix), *shards]))
     if user.role == GATEWAY:
         return Permissions(
             publish=_unique(
                 *(x for s in shards for x in (s.submit, s.abort, s.lora_adapters)), *gateway_beats
             ),
-            subscribe=_unique(
-                *(x for s in shards for x in (s.output("*"), s.scheduler_heartbeat)), inbox
-            ),
+            subscribe=_unique(*(x for s in shards for x in (s.output("*"), s.scheduler_heartbeat))),
         )
-    if user.role == SCHEDULER:
-        return Permissions(
-            publish=_unique(
-                *(
-                    x
-                    for s in shards
-                    for x in (s.output("*"), s.plan("*"), s.lora_check("*"), s.scheduler_heartbeat)
+    return Permissions(
+        publish=_unique(
+            *(
+                x
+                for s in shards
+                for x in (s.output("*"), s.plan("*"), s.lora_check("*"), s.scheduler_heartbeat)
+            )
+        ),
+        subscribe=_unique(
+            *(
+                x
+                for s in shards
+                for x in (
+                    s.submit,
+                    s.abort,
+                    s.lora_adapters,
+                    s.worker_hello,
+                    s.worker_heartbeat,
+                    s.worker_goodbye,
+                    s.result,
+                    s.scheduler_stats,
                 )
             ),
-            subscribe=_unique(
-                *(
-                    x
-                    for s in shards
-                    for x in (
-                        s.submit,
-                        s.abort,
-                        s.lora_adapters,
-                        s.worker_hello,
-                        s.worker_heartbeat,
-                        s.worker_goodbye,
-                        s.result,
-                        s.scheduler_stats,
-                    )
-                ),
-                *gateway_beats,
-                inbox,  # replies to its LoRA checks
-            ),
-            allow_responses=True,  # submit, adapter and stats replies
-        )
-    own = [(Subjects(worker_prefix(prefix, w, num_shards)), w) for w in user.worker_ids]
+            *gateway_beats,
+        ),
+    )
+
+
+def _worker_permissions(user: NatsUser, model: ModelSubjects) -> Permissions:
+    own = [
+        (Subjects(worker_prefix(model.prefix, w, model.num_shards)), w) for w in user.worker_ids
+    ]
     return Permissions(
         publish=_unique(
             *(
@@ -133,14 +163,16 @@ def permissions(user: NatsUser, prefix: str, num_shards: int) -> Permissions | N
     )
 
 
-def authorization_block(users: list[NatsUser], prefix: str, num_shards: int) -> str:
-    """nats-server's `authorization { users = [...] }` for these users."""
+def authorization_block(
+    users: list[NatsUser], prefix: str, num_shards: int, models: Sequence[ModelSubjects] = ()
+) -> str:
+    """nats-server's `authorization { users = [...] }` for these users (`permissions`)."""
     if len({u.name for u in users}) != len(users):
         raise ValueError("user names must be unique")
     entries = []
     for user in users:
         entry: dict[str, object] = {"user": user.name, "password": user.password}
-        perms = permissions(user, prefix, num_shards)
+        perms = permissions(user, prefix, num_shards, models)
         if perms is not None:
             rules: dict[str, object] = {
                 "publish": {"allow": list(perms.publish)},
@@ -219,9 +251,11 @@ def server_config(
     tls: ServerTls | None = None,
     cluster: Cluster | None = None,
     max_payload: int | None = None,
+    models: Sequence[ModelSubjects] = (),
 ) -> str:
     """A nats-server configuration file (listen address and port stay on its command line).
-    With `tls`, the server refuses clients that do not speak TLS."""
+    With `tls`, the server refuses clients that do not speak TLS; `models`: those served on
+    prefixes of their own beside the first (`permissions`)."""
     parts = []
     if max_payload is not None:
         parts.append(f"max_payload: {max_payload}\n")
@@ -230,7 +264,7 @@ def server_config(
     if cluster is not None:
         parts.append(cluster.block())
     if users is not None:
-        parts.append(authorization_block(users, prefix, num_shards))
+        parts.append(authorization_block(users, prefix, num_shards, models))
     return "".join(parts)
 
 
@@ -242,10 +276,17 @@ def write_private(path: Path, text: str) -> None:
 
 
 def _worker_user(spec: str, password_dir: Path) -> NatsUser:
+    """`USER[=ID,...][@PREFIX]`."""
+    spec, _, prefix = spec.partition("@")
     name, _, ids = spec.partition("=")
-    return NatsUser(
-        name, _password(password_dir, name), WORKER, tuple(ids.split(",")) if ids else (name,)
-    )
+    worker_ids = tuple(ids.split(",")) if ids else (name,)
+    return NatsUser(name, _password(password_dir, name), WORKER, worker_ids, prefix)
+
+
+def _model_subjects(spec: str) -> ModelSubjects:
+    """`PREFIX[:SHARDS]`."""
+    prefix, _, shards = spec.partition(":")
+    return ModelSubjects(prefix, int(shards) if shards else 1)
 
 
 def _password(password_dir: Path, user: str) -> str:
@@ -268,8 +309,16 @@ def main(argv: list[str] | None = None) -> None:
         "--worker",
         action="append",
         default=[],
-        metavar="USER[=ID,...]",
-        help="a worker user and the worker ids it hosts (default: its own name); repeatable",
+        metavar="USER[=ID,...][@PREFIX]",
+        help="a worker user, the worker ids it hosts (default: its own name) and its model's "
+        "subject prefix (default: --subject-prefix); repeatable",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="PREFIX[:SHARDS]",
+        help="another model served on its own subject prefix (and shard count); repeatable",
     )
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
@@ -326,8 +375,14 @@ def main(argv: list[str] | None = None) -> None:
             cluster = Cluster(
                 args.cluster_name, tuple(args.cluster_route), tls=route_tls, password=password
             )
+        models = [_model_subjects(spec) for spec in args.model]
         text = server_config(
-            users, args.subject_prefix, args.scheduler_shards, tls=tls, cluster=cluster
+            users,
+            args.subject_prefix,
+            args.scheduler_shards,
+            tls=tls,
+            cluster=cluster,
+            models=models,
         )
     except (OSError, ValueError) as exc:
         p.error(str(exc))

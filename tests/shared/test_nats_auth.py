@@ -18,6 +18,7 @@ from shared.nats_auth import (
     GATEWAY,
     SCHEDULER,
     WORKER,
+    ModelSubjects,
     NatsUser,
     ServerTls,
     authorization_block,
@@ -102,6 +103,42 @@ def test_a_worker_user_gets_only_its_own_workers_plans_on_their_shards():
     assert permissions(_user(ADMIN), "p", 2) is None  # everything
 
 
+def test_several_models_gateway_and_scheduler_reach_all_a_worker_only_its_own():
+    models = [ModelSubjects("q", 2)]
+    gateway = permissions(_user(GATEWAY), "p", 1, models)
+    assert gateway is not None
+    assert gateway.publish == (
+        "p.req.submit",
+        "p.req.abort",
+        "p.lora.adapters",
+        "p.gateway.heartbeat",
+        "q.shard0.req.submit",
+        "q.shard0.req.abort",
+        "q.shard0.lora.adapters",
+        "q.shard1.req.submit",
+        "q.shard1.req.abort",
+        "q.shard1.lora.adapters",
+        "q.gateway.heartbeat",
+        "q.shard0.gateway.heartbeat",
+        "q.shard1.gateway.heartbeat",
+    )
+    assert gateway.subscribe[-1] == "_INBOX.gateway.>"
+    scheduler = permissions(_user(SCHEDULER), "p", 1, models)
+    assert scheduler is not None and scheduler.allow_responses
+    assert {"p.req.submit", "q.shard1.req.submit"} <= set(scheduler.subscribe)
+    worker = NatsUser("q-worker-1", "pw", WORKER, ("q-worker-1",), prefix="q")
+    perms = permissions(worker, "p", 1, models)
+    assert perms is not None
+    assert perms.subscribe == (
+        "q.shard1.worker.q-worker-1.plan",
+        "q.shard1.worker.q-worker-1.lora_check",
+        "q.shard1.scheduler.heartbeat",
+    )
+    assert all(s.startswith("q.shard1.") for s in perms.publish)
+    with pytest.raises(ValueError, match="no model has prefix"):
+        permissions(NatsUser("w", "pw", WORKER, ("w",), prefix="r"), "p", 1, models)
+
+
 def test_users_are_checked():
     with pytest.raises(ValueError, match="worker ids"):
         NatsUser("w", "pw", WORKER)
@@ -152,6 +189,11 @@ def test_the_command_writes_a_private_config_from_password_files(tmp_path):
     )  # fmt: skip
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
     users = json.loads(out.read_text().removeprefix("authorization "))["users"]
+    (secrets / "tiny-worker-0").write_text("pw")
+    two_models = ["--model", "q:2", "--worker", "tiny-worker-0@q"]
+    main(["--subject-prefix", "p", "--password-dir", str(secrets), "--out", str(out), *two_models])
+    tiny = json.loads(out.read_text().removeprefix("authorization "))["users"][-1]
+    assert tiny["permissions"]["subscribe"]["allow"][0] == "q.shard0.worker.tiny-worker-0.plan"
     assert [u["password"] for u in users][-1] == "skiff-worker-1-pw"
     assert users[-1]["permissions"]["subscribe"]["allow"] == [
         "p.worker.skiff-worker-1-0.plan",
