@@ -91,7 +91,7 @@ def permissions(
     if user.role == ADMIN:
         return None
     if user.role == WORKER:
-        (own,) = [m for m in deployments if m.prefix == (user.prefix or prefix)] or [None]
+        own = next((m for m in deployments if m.prefix == (user.prefix or prefix)), None)
         if own is None:
             raise ValueError(f"worker user {user.name!r}: no model has prefix {user.prefix!r}")
         return _worker_permissions(user, own)

@@ -2,15 +2,22 @@
 
     app = create_app(engine_client, tokenizer, GatewayConfig(max_model_len=2048))
 
+Several models: `config.extra_models` and an engine client and tokenizer for each
+(`create_app(..., extra=[(engine, tokenizer)])`); a request's `model` picks one
+(`models.ServedModels`).
+
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
-POST /detokenize, GET /health (503 until the engine is ready or while draining), GET /version,
-GET /metrics, GET /admin/tenants. With `api_key` or `api_keys_file`, /v1/* and /admin/* need
-`Authorization: Bearer <key>` of a tenant (see `key_file` and `tenants`); /admin/* an admin's.
+POST /detokenize, GET /health (503 until some model's engine is ready, or while draining;
+`?model=` asks about one), GET /version, GET /metrics, GET /admin/tenants, POST
+/v1/load_lora_adapter and /v1/unload_lora_adapter. With `api_key` or `api_keys_file`, /v1/*
+and /admin/* need `Authorization: Bearer <key>` of a tenant (see `key_file` and `tenants`);
+/admin/* and the adapter routes an admin's.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Sequence
 
 from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -28,6 +35,7 @@ from services.gateway.middleware import (
     RequestContextMiddleware,
     TenantMiddleware,
 )
+from services.gateway.models import ServedModels
 from services.gateway.serving import Payload
 from services.gateway.tenants import Tenants, ticket_of
 from services.gateway.tracing import TracingMiddleware
@@ -47,40 +55,52 @@ def create_app(
     tokenizer: Tokenizer,
     config: GatewayConfig,
     tenants: list[Tenant] | None = None,
+    extra: Sequence[tuple[EngineClient, Tokenizer]] = (),
 ) -> FastAPI:
     """Build the app of a gateway configured by `config`. `config.max_model_len=None` takes
     the context length from the scheduler's heartbeat; `keepalive_interval` > 0 sends an SSE
     comment on streams that wait that long for tokens; `tenants` are those of its API keys
     (default: read from `config`; `KeyFileError` when the file is unusable). The shared state
     is `app.state.gateway` (a `GatewayContext`); set its `draining` to make /health fail and
-    new requests get 503 during shutdown. `app.state.tenants` admits each tenant's requests."""
-    served_model_name = config.resolved_model_name
+    new requests get 503 during shutdown (`app.state.models`, a `ServedModels`, holds every
+    model's; its `draining` sets them all). `app.state.tenants` admits each tenant's requests.
+    `extra`: the engine client and tokenizer of each of `config.extra_models`."""
+    routes = config.models
+    if len(extra) != len(routes) - 1:
+        raise ValueError(f"{len(routes) - 1} extra models need as many engines, got {len(extra)}")
     if tenants is None:
         tenants = tenants_of(config.api_key, config.api_keys_file)
-    names = [t.name for t in tenants] or [ANONYMOUS]
-    metrics = GatewayMetrics(served_model_name, engine_client, names)
-    ctx = GatewayContext(
-        engine_client,
-        tokenizer,
-        served_model_name,
-        metrics,
-        configured_max_model_len=config.max_model_len,
-        model_root=str(config.resolved_model_dir),
-        tokenizer_concurrency=config.tokenizer_concurrency,
-        keepalive_interval=config.keepalive_interval,
-        tool_call_parser=config.tool_call_parser,
+    metrics = GatewayMetrics([t.name for t in tenants] or [ANONYMOUS])
+    models = ServedModels(
+        [
+            GatewayContext(
+                engine,
+                model_tokenizer,
+                route.name,
+                metrics,
+                configured_max_model_len=route.max_model_len,
+                model_root=route.model_dir,
+                tokenizer_concurrency=config.tokenizer_concurrency,
+                keepalive_interval=config.keepalive_interval,
+                tool_call_parser=config.tool_call_parser,
+            )
+            for route, (engine, model_tokenizer) in zip(
+                routes, [(engine_client, tokenizer), *extra], strict=True
+            )
+        ]
     )
     app = FastAPI(
         title="skiff gateway",
         version=_version(),
         summary="OpenAI-compatible API of skiff (vLLM-compatible)",
     )
-    app.state.gateway = ctx
+    app.state.gateway = models.default
+    app.state.models = models
     app.state.tenants = Tenants(tenants, metrics)
     install_error_handlers(app)
     for module in (completions, chat, tokenization, lora_admin):
-        app.include_router(module.router(ctx))
-    app.include_router(_service_router(ctx, app.state.tenants))
+        app.include_router(module.router(models))
+    app.include_router(_service_router(models, metrics, app.state.tenants))
     app.add_middleware(
         BodyLimitMiddleware,
         max_body_bytes=config.max_body_bytes,
@@ -93,32 +113,21 @@ def create_app(
     return app
 
 
-def _service_router(ctx: GatewayContext, tenants: Tenants) -> APIRouter:
+def _service_router(models: ServedModels, metrics: GatewayMetrics, tenants: Tenants) -> APIRouter:
     api = APIRouter()
 
     @api.get("/v1/models")
     async def list_models(request: Request) -> Payload:
-        """The base model and its LoRA adapters (`parent`: the base model), those the API
-        key may use."""
+        """Every served model and its LoRA adapters (`parent`: the model), those the API key
+        may use."""
         ticket = ticket_of(request)
-        max_model_len = ctx.configured_max_model_len or ctx.engine.max_model_len
-        base = ctx.served_model_name
-        models: list[tuple[str, str, str | None]] = [(base, ctx.model_root or base, None)]
-        models += [(name, path, base) for name, path in sorted(ctx.engine.lora_adapters.items())]
         return {
             "object": "list",
             "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": ctx.created,
-                    "owned_by": "skiff",
-                    "root": root,
-                    "parent": parent,
-                    "max_model_len": max_model_len,
-                }
-                for name, root, parent in models
-                if ticket is None or ticket.allows(name)
+                card
+                for ctx in models
+                for card in _model_cards(ctx)
+                if ticket is None or ticket.allows(card["id"])
             ],
         }
 
@@ -128,10 +137,13 @@ def _service_router(ctx: GatewayContext, tenants: Tenants) -> APIRouter:
         return {"object": "list", "data": tenants.usage()}
 
     @api.get("/health")
-    async def health() -> Response:
-        if ctx.draining:
+    async def health(model: str | None = None) -> Response:
+        """200 while not draining and some model (`model`: that one) has a scheduler with
+        ready workers."""
+        if models.draining:
             return error_response(503, "the gateway is shutting down")
-        if not ctx.engine.ready:
+        ready = models.ready if model is None else models.base(model).engine.ready
+        if not ready:
             return error_response(503, "no scheduler with ready workers is available")
         return Response(status_code=200)
 
@@ -140,7 +152,27 @@ def _service_router(ctx: GatewayContext, tenants: Tenants) -> APIRouter:
         return {"version": _version()}
 
     @api.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return api
+
+
+def _model_cards(ctx: GatewayContext) -> list[Payload]:
+    """/v1/models entries of a served model and its LoRA adapters."""
+    max_model_len = ctx.configured_max_model_len or ctx.engine.max_model_len
+    base = ctx.served_model_name
+    models: list[tuple[str, str, str | None]] = [(base, ctx.model_root or base, None)]
+    models += [(name, path, base) for name, path in sorted(ctx.engine.lora_adapters.items())]
+    return [
+        {
+            "id": name,
+            "object": "model",
+            "created": ctx.created,
+            "owned_by": "skiff",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_model_len,
+        }
+        for name, root, parent in models
+    ]

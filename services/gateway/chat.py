@@ -13,6 +13,7 @@ from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError
 from services.gateway.generation import Generation
 from services.gateway.logprobs import chat_logprobs, prompt_logprobs_body
+from services.gateway.models import ServedModels
 from services.gateway.schemas import ChatCompletionRequest
 from services.gateway.serving import (
     Endpoint,
@@ -198,11 +199,11 @@ class ChatEndpoint(Endpoint[ChatCompletionRequest]):
         )
 
 
-def router(ctx: GatewayContext) -> APIRouter:
+def router(models: ServedModels) -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        return await ChatEndpoint(ctx, body, request).serve()
+        return await ChatEndpoint(models, body, request).serve()
 
     return api

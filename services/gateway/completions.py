@@ -12,6 +12,7 @@ from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.errors import APIError
 from services.gateway.generation import Generation
 from services.gateway.logprobs import completion_logprobs, prompt_logprobs_body
+from services.gateway.models import ServedModels
 from services.gateway.schemas import CompletionRequest
 from services.gateway.serving import (
     Endpoint,
@@ -157,11 +158,11 @@ class CompletionEndpoint(Endpoint[CompletionRequest]):
         return CompletionFormatter(self.ctx, self.request, prompts, gen, body=self.body)
 
 
-def router(ctx: GatewayContext) -> APIRouter:
+def router(models: ServedModels) -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        return await CompletionEndpoint(ctx, body, request).serve()
+        return await CompletionEndpoint(models, body, request).serve()
 
     return api

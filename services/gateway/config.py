@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from services.gateway.shards import ROUTINGS
 from services.gateway.tool_parsers import TOOL_PARSERS
@@ -13,6 +16,28 @@ from shared.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from shared.subjects import SUBJECT_PREFIX, SUBJECT_TOKEN
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+class ModelRoute(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A model the gateway serves: its name in the API, the directory of its tokenizer files,
+    and the subject prefix and shard count of its schedulers (None: the context length its
+    schedulers announce)."""
+
+    name: str
+    model_dir: str
+    subject_prefix: str
+    scheduler_shards: int = 1
+    max_model_len: int | None = None
+
+
+def parse_extra_models(text: str) -> list[ModelRoute]:
+    """The `extra_models` setting: a JSON list of `ModelRoute` objects ("": none)."""
+    if not text.strip():
+        return []
+    try:
+        return msgspec.json.decode(text, type=list[ModelRoute])
+    except msgspec.DecodeError as e:  # ValidationError included
+        raise ValueError(f"extra_models: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -74,6 +99,13 @@ class GatewayConfig(NatsClientConfig):
         + ", ".join(TOOL_PARSERS)
         + " (default: the one its chat template suggests, else hermes)",
     )
+    extra_models: str = setting(
+        "",
+        "more models served beside this one, each by its own schedulers and workers: a JSON "
+        'list of {"name", "model_dir" (its tokenizer files), "subject_prefix", '
+        '"scheduler_shards" (1), "max_model_len" (its schedulers\')}; a request names one as '
+        "its model (docs/models.md)",
+    )
     log_level: str = setting(DEFAULT_LOG_LEVEL, "DEBUG, INFO, WARNING or ERROR")
 
     def __post_init__(self) -> None:
@@ -103,13 +135,53 @@ class GatewayConfig(NatsClientConfig):
             raise ValueError(f"unknown tool call parser {self.tool_call_parser!r} (known: {known})")
         if not SUBJECT_PREFIX.fullmatch(self.subject_prefix):
             raise ValueError(f"invalid NATS subject prefix: {self.subject_prefix!r}")
+        _check_routes(self.models)
 
     @property
     def resolved_model_dir(self) -> Path:
         return Path(self.model_dir) if self.model_dir else default_model_dir()
 
     @property
+    def models(self) -> list[ModelRoute]:
+        """Every model served: this config's own first, then `extra_models`."""
+        own = ModelRoute(
+            self.resolved_model_name,
+            str(self.resolved_model_dir),
+            self.subject_prefix,
+            self.scheduler_shards,
+            self.max_model_len,
+        )
+        return [own, *parse_extra_models(self.extra_models)]
+
+    def for_model(self, route: ModelRoute) -> GatewayConfig:
+        """This config, serving `route` alone (what its engine client and context use)."""
+        return dataclasses.replace(
+            self,
+            served_model_name=route.name,
+            model_dir=route.model_dir,
+            subject_prefix=route.subject_prefix,
+            scheduler_shards=route.scheduler_shards,
+            max_model_len=route.max_model_len,
+            extra_models="",
+        )
+
+    @property
     def resolved_model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
         return self.resolved_model_dir.name if self.model_dir else DEFAULT_MODEL_NAME
+
+
+def _check_routes(routes: list[ModelRoute]) -> None:
+    """Names and subject prefixes are each one model's; prefixes and shard counts valid."""
+    for route in routes[1:]:
+        if not route.name:
+            raise ValueError("extra_models: every model needs a name")
+        if not SUBJECT_PREFIX.fullmatch(route.subject_prefix):
+            raise ValueError(f"extra_models: invalid NATS subject prefix {route.subject_prefix!r}")
+        if route.scheduler_shards < 1 or (route.max_model_len or 1) < 1:
+            raise ValueError(f"extra_models: {route.name}: shards and max_model_len must be >= 1")
+    for what in ("name", "subject_prefix"):
+        values = [getattr(r, what) for r in routes]
+        if len(set(values)) != len(values):
+            raise ValueError(f"extra_models: two models have the same {what}: {values}")

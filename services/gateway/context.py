@@ -1,4 +1,5 @@
-"""What every endpoint shares: engine, tokenizer, model identity, limits and metrics."""
+"""What every endpoint shares about one served model: engine, tokenizer, model identity, limits
+and metrics."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import jinja2
 
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, ModelMetrics
 from services.gateway.prompt_encoder import PromptEncoder
 from services.gateway.schemas import ChatMessage, FunctionCall, Tool
 from services.gateway.structured import StructureChecker
@@ -35,11 +36,14 @@ class GatewayContext:
     tool_call_parser: str | None = None  # None: the one the chat template suggests
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    model_metrics: ModelMetrics = field(init=False)
     encoder: PromptEncoder = field(init=False)
     structures: StructureChecker = field(init=False)
     auto_tool_parser: Callable[[], OutputParser] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.model_metrics = self.metrics.model(self.served_model_name)
+        self.metrics.add_engine(self.served_model_name, self.engine)
         self.encoder = PromptEncoder(self.tokenizer, self.max_model_len, self.tokenizer_concurrency)
         self.structures = StructureChecker(self.tokenizer_concurrency)
         if self.tool_call_parser is None:
@@ -54,18 +58,6 @@ class GatewayContext:
                 503, "the model's context length is not known yet (no scheduler heartbeat)"
             )
         return value
-
-    def check_model(self, name: str | None) -> None:
-        self.resolve_model(name)
-
-    def resolve_model(self, name: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names (None: the base model, also when it
-        names none); an unknown model is a 404."""
-        if name is None or name == self.served_model_name:
-            return None
-        if name in self.engine.lora_adapters:
-            return name
-        raise APIError(404, f"The model `{name}` does not exist.", "model")
 
     def check_accepting(self) -> None:
         if self.draining:

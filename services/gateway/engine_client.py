@@ -25,7 +25,12 @@ from services.gateway.shards import Shards
 from shared.bus import ConnectOptions
 from shared.wire import LoRAAdapterChange, LoRAAdapterReply, SubmitRequest
 
-__all__ = ["EngineClient", "EngineError", "NatsEngineClient", "RequestStream"]
+__all__ = ["EngineClient", "EngineError", "NatsEngineClient", "RequestStream", "new_gateway_id"]
+
+
+def new_gateway_id() -> str:
+    """A random gateway identity (for a gateway not given one)."""
+    return f"gw-{uuid.uuid4().hex[:12]}"
 
 
 class EngineClient(Protocol):
@@ -68,7 +73,7 @@ class NatsEngineClient:
         """The client `config` describes: its NATS connection, id, shards and timeouts (a
         request waits `scheduler_timeout` for a scheduler: one to take it when new, its
         shard's heartbeat while in flight)."""
-        self.gateway_id = config.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
+        self.gateway_id = config.gateway_id or new_gateway_id()
         self.shards = Shards(
             config.subject_prefix,
             config.scheduler_shards,

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from services.gateway.choice import ChoiceSpec, ChoiceState, ChoiceUpdate
 from services.gateway.engine_client import EngineClient, EngineError, RequestStream
 from services.gateway.errors import APIError
-from services.gateway.metrics import ChoiceTimer, GatewayMetrics
+from services.gateway.metrics import ChoiceTimer, GatewayMetrics, ModelMetrics
 from services.gateway.tracing import ChoiceSpans
 from shared import tracing
 from shared.tasks import BackgroundTasks
@@ -42,6 +42,7 @@ class Generation:
         engine: EngineClient,
         tokenizer: Tokenizer,
         metrics: GatewayMetrics,
+        model_metrics: ModelMetrics,
         specs: list[ChoiceSpec],
         arrival: float | None = None,
         priority: int = 0,
@@ -58,7 +59,7 @@ class Generation:
         self.metrics = metrics
         self.choices = [ChoiceState(spec, tokenizer) for spec in specs]
         arrival = time.monotonic() if arrival is None else arrival
-        self.timers = [ChoiceTimer(metrics, arrival, len(s.prompt_ids)) for s in specs]
+        self.timers = [ChoiceTimer(model_metrics, arrival, len(s.prompt_ids)) for s in specs]
         self._streams: list[RequestStream] = []
         self._spans = ChoiceSpans(tracing.tracer, specs) if tracing.tracer else None
 

@@ -1,5 +1,6 @@
 """Run the gateway: `python -m services.gateway.main --nats-url nats://... --port 8000`
-(`--scheduler-shards N` to spread requests over N scheduler shards).
+(`--scheduler-shards N` to spread requests over N scheduler shards; `--extra-models` for more
+models, each with an engine client on its own schedulers' subjects).
 
 Every flag also reads an environment variable (`--nats-url` ← `SKIFF_NATS_URL`, and so on).
 On SIGTERM/SIGINT the gateway drains: /health turns 503 and new generation requests get 503,
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
@@ -26,10 +28,10 @@ from prometheus_client import disable_created_metrics
 
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
-from services.gateway.context import GatewayContext
-from services.gateway.engine_client import EngineError, NatsEngineClient
+from services.gateway.engine_client import EngineError, NatsEngineClient, new_gateway_id
 from services.gateway.header_timeout import with_header_timeout
 from services.gateway.key_file import KeyFileError, tenants_of
+from services.gateway.models import ServedModels
 from shared import tracing
 from shared.cli_args import ConfigParser
 from shared.config import TelemetryConfig
@@ -61,11 +63,11 @@ class _DrainingServer(uvicorn.Server):
     cancelled mid-response."""
 
     def __init__(
-        self, config: uvicorn.Config, ctx: GatewayContext, engine: NatsEngineClient
+        self, config: uvicorn.Config, models: ServedModels, engines: list[NatsEngineClient]
     ) -> None:
         super().__init__(config)
-        self.ctx = ctx
-        self.engine = engine
+        self.models = models
+        self.engines = engines
         self.drain_timeout = (config.timeout_graceful_shutdown or 0) - _CUT_GRACE_S
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -76,21 +78,23 @@ class _DrainingServer(uvicorn.Server):
             cut.cancel()
 
     def _cut_streams(self) -> None:
-        if self.engine.num_in_flight:
+        num_in_flight = sum(engine.num_in_flight for engine in self.engines)
+        if num_in_flight:
             logger.warning(
                 "drain timeout (%.0f s): ending %d unfinished requests with an error",
                 self.drain_timeout,
-                self.engine.num_in_flight,
+                num_in_flight,
             )
-            self.engine.requests.close(EngineError(503, "the gateway is shutting down"))
+        for engine in self.engines:
+            engine.requests.close(EngineError(503, "the gateway is shutting down"))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.ctx.draining:
+        if not self.models.draining:
             logger.info(
                 "draining: finishing in-flight requests (up to %.0f s)",
                 self.drain_timeout,
             )
-        self.ctx.draining = True
+        self.models.draining = True
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
@@ -126,12 +130,17 @@ async def serve(config: GatewayConfig) -> None:
         tenants = tenants_of(config.api_key, config.api_keys_file)
     except KeyFileError as e:
         raise SystemExit(f"skiff gateway: {e}") from None
-    model_dir = config.resolved_model_dir
-    await _wait_for_tokenizer(model_dir, config.model_wait_timeout)
-    tokenizer = Tokenizer(model_dir)
-    engine = NatsEngineClient(config)
-    await engine.start()
-    app = create_app(engine, tokenizer, config, tenants)
+    if config.gateway_id is None:  # one identity on every model's subjects
+        config = dataclasses.replace(config, gateway_id=new_gateway_id())
+    routes = config.models
+    for route in routes:
+        await _wait_for_tokenizer(Path(route.model_dir), config.model_wait_timeout)
+    tokenizers = [Tokenizer(Path(route.model_dir)) for route in routes]
+    engines = [NatsEngineClient(config.for_model(route)) for route in routes]
+    for engine in engines:
+        await engine.start()
+    served = list(zip(engines, tokenizers, strict=True))
+    app = create_app(engines[0], tokenizers[0], config, tenants, extra=served[1:])
     server = _DrainingServer(
         uvicorn.Config(
             app,
@@ -145,13 +154,13 @@ async def serve(config: GatewayConfig) -> None:
             http=with_header_timeout(config.header_timeout),
             limit_concurrency=config.limit_concurrency,
         ),
-        app.state.gateway,
-        engine,
+        app.state.models,
+        engines,
     )
     logger.info(
         "gateway %s serving %s on %s:%d",
-        engine.gateway_id,
-        config.resolved_model_name,
+        engines[0].gateway_id,
+        ", ".join(route.name for route in routes),
         config.host,
         config.port,
     )
@@ -159,7 +168,8 @@ async def serve(config: GatewayConfig) -> None:
         await server.serve()
     finally:
         await asyncio.sleep(0.05)  # let aborts of cancelled streams go out
-        await engine.close()
+        for engine in engines:
+            await engine.close()
 
 
 def run_gateway(config: GatewayConfig, telemetry: TelemetryConfig | None = None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -60,25 +61,26 @@ TENANT_OUTCOMES = (
 
 
 class GatewayMetrics:
-    def __init__(
-        self, model_name: str, engine: EngineClient, tenants: Sequence[str] = (ANONYMOUS,)
-    ) -> None:
+    """Every metric of one gateway app; the per-model ones (labelled `model_name`) through
+    `model` and `add_engine`."""
+
+    def __init__(self, tenants: Sequence[str] = (ANONYMOUS,)) -> None:
         self.registry = CollectorRegistry()
-        self._model = model_name
         self._add_request_metrics()
         self._add_gateway_metrics()
         self._add_tenant_metrics(tenants)
-        self._add_engine_gauges(engine)
+        self._engines: dict[str, EngineClient] = {}  # by model name
+        self._add_engine_metrics()
 
     def _add_request_metrics(self) -> None:
         """vLLM's per-request latencies and token counts, labelled by model."""
         model, reg = ["model_name"], self.registry
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, model, buckets=buckets, registry=reg).labels(self._model)
+            return Histogram(name, doc, model, buckets=buckets, registry=reg)
 
         def count(name: str, doc: str) -> Counter:
-            return Counter(name, doc, model, registry=reg).labels(self._model)
+            return Counter(name, doc, model, registry=reg)
 
         self.ttft = hist(
             "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
@@ -97,11 +99,25 @@ class GatewayMetrics:
         )
         self.prompt_tokens = count("vllm:prompt_tokens", "Prefill tokens.")
         self.generation_tokens = count("vllm:generation_tokens", "Generated tokens.")
-        self._success = Counter(
+        self.success = Counter(
             "vllm:request_success",
             "Finished requests by finish reason.",
             ["model_name", "finished_reason"],
             registry=reg,
+        )
+
+    def model(self, name: str) -> ModelMetrics:
+        """The request metrics of the model `name` (its series exist from now on)."""
+        return ModelMetrics(
+            name,
+            self.ttft.labels(name),
+            self.itl.labels(name),
+            self.e2e.labels(name),
+            self.request_prompt_tokens.labels(name),
+            self.request_generation_tokens.labels(name),
+            self.prompt_tokens.labels(name),
+            self.generation_tokens.labels(name),
+            self.success,
         )
 
     def _add_gateway_metrics(self) -> None:
@@ -160,30 +176,53 @@ class GatewayMetrics:
                 self.tenant_tokens.labels(tenant, kind)
             self.tenant_in_flight.labels(tenant)
 
-    def _add_engine_gauges(self, engine: EngineClient) -> None:
-        """The engine client's readiness, NATS connection and request counters, read at
-        scrape time."""
+    def _add_engine_metrics(self) -> None:
+        """Each model's engine client: readiness, NATS connection, request counters and shard
+        routing, read at scrape time."""
         reg = self.registry
-        ready = Gauge(
-            "skiff_gateway_engine_ready", "1 when a scheduler with workers is up.", registry=reg
+        self.engine_ready = Gauge(
+            "skiff_gateway_engine_ready",
+            "1 when a scheduler of the model with workers is up.",
+            ["model_name"],
+            registry=reg,
         )
-        ready.set_function(lambda: float(engine.ready))
+        self.nats_connected = Gauge(
+            "skiff_nats_connected", "1 while connected to NATS.", ["model_name"], registry=reg
+        )
+        reg.register(_EngineStatsCollector(self._engines))
+        reg.register(_ShardRoutingCollector(self._engines))
+
+    def add_engine(self, model_name: str, engine: EngineClient) -> None:
+        """Export the engine client of the model `model_name`."""
+        self._engines[model_name] = engine
+        self.engine_ready.labels(model_name).set_function(lambda: float(engine.ready))
         if hasattr(engine, "connected"):
-            connected = Gauge("skiff_nats_connected", "1 while connected to NATS.", registry=reg)
+            connected = self.nats_connected.labels(model_name)
             connected.set_function(lambda: float(engine.connected))
-        if hasattr(engine, "stats"):
-            reg.register(_EngineStatsCollector(engine))
-        if hasattr(engine, "shards"):
-            reg.register(_ShardRoutingCollector(engine.shards))
+
+
+@dataclass(frozen=True)
+class ModelMetrics:
+    """vLLM's request metrics of one model."""
+
+    name: str
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    success: Counter  # labelled by model and finish reason
 
     def finished(self, reason: str) -> None:
-        self._success.labels(self._model, reason).inc()
+        self.success.labels(self.name, reason).inc()
 
 
 class ChoiceTimer:
     """Latency and token accounting of one engine request."""
 
-    def __init__(self, metrics: GatewayMetrics, arrival: float, num_prompt_tokens: int) -> None:
+    def __init__(self, metrics: ModelMetrics, arrival: float, num_prompt_tokens: int) -> None:
         self.metrics = metrics
         self.arrival = arrival
         self.num_prompt_tokens = num_prompt_tokens
@@ -213,50 +252,54 @@ class ChoiceTimer:
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, engine: EngineClient) -> None:
-        self.engine = engine
+    def __init__(self, engines: dict[str, EngineClient]) -> None:
+        self.engines = engines  # by model name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats  # type: ignore[attr-defined]
         for name in ("submitted", "rejected", "aborted", "migrated", "failed"):
-            yield CounterMetricFamily(
-                f"skiff_gateway_engine_{name}",
-                f"Engine requests {name}.",
-                value=getattr(stats, name),
+            family = CounterMetricFamily(
+                f"skiff_gateway_engine_{name}", f"Engine requests {name}.", labels=["model_name"]
             )
+            for model, engine in self.engines.items():
+                if hasattr(engine, "stats"):
+                    family.add_metric([model], getattr(engine.stats, name))
+            yield family
 
 
 class _ShardRoutingCollector(Collector):
-    """Requests routed to each scheduler shard by reason, the prompt tokens matched there, and
-    the ready workers of each shard this gateway can route to (as its heartbeats tell)."""
+    """Requests routed to each scheduler shard of each model by reason, the prompt tokens
+    matched there, and the ready workers of each shard this gateway can route to (as its
+    heartbeats tell)."""
 
-    def __init__(self, shards: Shards) -> None:
-        self.shards = shards
+    def __init__(self, engines: dict[str, EngineClient]) -> None:
+        self.engines = engines  # by model name
 
     def collect(self) -> Iterator[Metric]:
         routed = CounterMetricFamily(
             "skiff_gateway_shard_requests",
             "Requests routed to each scheduler shard, by reason (prefix: its workers hold the "
             "longest prefix of the prompt; load: the least loaded).",
-            labels=["shard", "reason"],
+            labels=["model_name", "shard", "reason"],
         )
         matched = CounterMetricFamily(
             "skiff_gateway_shard_prefix_matched_tokens",
             "Prompt tokens of the requests routed to each shard that its prefix summary held.",
-            labels=["shard"],
+            labels=["model_name", "shard"],
         )
         ready = GaugeMetricFamily(
             "skiff_gateway_shard_ready_workers",
             "Ready workers of each scheduler shard by its last heartbeat; 0 while the shard is "
             "unavailable to this gateway (silent, leaving or without workers).",
-            labels=["shard"],
+            labels=["model_name", "shard"],
         )
-        for index, shard in enumerate(self.shards):
-            for reason in ROUTINGS:
-                routed.add_metric([str(index), reason], shard.routed[reason])
-            matched.add_metric([str(index)], shard.matched_tokens)
-            available = self.shards.available(shard)
-            ready.add_metric([str(index)], shard.num_ready_workers if available else 0)
+        for model, engine in self.engines.items():
+            shards: Shards | None = getattr(engine, "shards", None)
+            for index, shard in enumerate(shards or ()):
+                for reason in ROUTINGS:
+                    routed.add_metric([model, str(index), reason], shard.routed[reason])
+                matched.add_metric([model, str(index)], shard.matched_tokens)
+                available = shards is not None and shards.available(shard)
+                ready.add_metric([model, str(index)], shard.num_ready_workers if available else 0)
         yield routed
         yield matched
         yield ready

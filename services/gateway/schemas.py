@@ -225,11 +225,13 @@ class DetokenizeRequest(_Body):
 
 
 class LoadLoRAAdapterRequest(BaseModel):
-    """vLLM's POST /v1/load_lora_adapter body."""
+    """vLLM's POST /v1/load_lora_adapter body; `model` (skiff's) names the served model that
+    gets the adapter (default: the gateway's first)."""
 
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1, max_length=128)
     lora_path: str = Field(min_length=1, max_length=4096)
+    model: str | None = Field(default=None, max_length=256)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

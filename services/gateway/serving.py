@@ -23,6 +23,7 @@ from services.gateway.choice import ChoiceSpec, ChoiceState, ChoiceUpdate
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, error_body
 from services.gateway.generation import Generation
+from services.gateway.models import ServedModels
 from services.gateway.sampling import (
     api_field_names,
     build_sampling_params,
@@ -253,8 +254,10 @@ class Endpoint(ABC, Generic[BodyT]):
     (`prompts`), sampling parameters per prompt (`sampling`), submitting every choice, then the
     response, streamed or whole, shaped by the route's `formatter`."""
 
-    def __init__(self, ctx: GatewayContext, body: BodyT, request: Request) -> None:
-        self.ctx, self.body, self.request = ctx, body, request
+    def __init__(self, models: ServedModels, body: BodyT, request: Request) -> None:
+        """The served model and LoRA adapter `body.model` names (404 when none)."""
+        self.ctx, self.lora_name = models.resolve(body.model)
+        self.body, self.request = body, request
         self.arrival = time.monotonic()
 
     def check(self) -> None:
@@ -275,7 +278,7 @@ class Endpoint(ABC, Generic[BodyT]):
     async def serve(self) -> Response:
         ctx, body = self.ctx, self.body
         ctx.check_accepting()
-        lora_name = ctx.resolve_model(body.model)
+        lora_name = self.lora_name
         ticket = ticket_of(self.request)
         if ticket is not None:
             ticket.check_model(lora_name or ctx.served_model_name)
@@ -292,6 +295,7 @@ class Endpoint(ABC, Generic[BodyT]):
             ctx.engine,
             ctx.tokenizer,
             ctx.metrics,
+            ctx.model_metrics,
             specs,
             self.arrival,
             body.priority,

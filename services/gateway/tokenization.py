@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError
+from services.gateway.models import ServedModels
 from services.gateway.prompt_encoder import SMALL_INPUT
 from services.gateway.schemas import (
     DetokenizeRequest,
@@ -16,12 +16,12 @@ from services.gateway.serving import Payload
 from shared.sampling_params import check_token_ids
 
 
-def router(ctx: GatewayContext) -> APIRouter:
+def router(models: ServedModels) -> APIRouter:
     api = APIRouter()
 
     @api.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> Payload:
-        ctx.check_model(body.model)
+        ctx, _ = models.resolve(body.model)
         if isinstance(body, TokenizeChatRequest):
             text = ctx.render_chat(
                 body.messages,
@@ -42,7 +42,7 @@ def router(ctx: GatewayContext) -> APIRouter:
 
     @api.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Payload:
-        ctx.check_model(body.model)
+        ctx, _ = models.resolve(body.model)
         if len(body.tokens) > SMALL_INPUT and len(body.tokens) > ctx.max_model_len():
             raise APIError(
                 400,

@@ -369,7 +369,9 @@ def exported_metrics() -> dict[str, set[str]]:
     engine = _StubEngine()
     engine.shards = Shards("skiff", 2, 5.0)  # as the gateway's engine client has them
     out: dict[str, set[str]] = {}
-    for registry in (GatewayMetrics("m", engine).registry, SchedulerMetrics("m").registry):
+    gateway = GatewayMetrics()
+    gateway.add_engine("m", engine)
+    for registry in (gateway.registry, SchedulerMetrics("m").registry):
         labels_of = {}
         for collector in registry._collector_to_names:
             for name in registry._collector_to_names[collector]:

@@ -48,7 +48,9 @@ def wait_for_workers(stack) -> list[dict]:
     while True:
         stats = shard_stats(stack)
         gateway_view = [
-            gateway_counter(stack, "skiff_gateway_shard_ready_workers", f'{{shard="{i}"}}')
+            gateway_counter(
+                stack, "skiff_gateway_shard_ready_workers", f'{{model_name="{MODEL}",shard="{i}"}}'
+            )
             for i in range(NUM_SHARDS)
         ]
         if sum(len(s["workers"]) for s in stats) == NUM_WORKERS == sum(gateway_view):
@@ -57,7 +59,7 @@ def wait_for_workers(stack) -> list[dict]:
         time.sleep(0.2)
 
 
-def gateway_counter(stack, name: str, labels: str = "") -> float:
+def gateway_counter(stack, name: str, labels: str = f'{{model_name="{MODEL}"}}') -> float:
     with urllib.request.urlopen(f"{stack.url}/metrics", timeout=5) as resp:
         text = resp.read().decode()
     match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)

@@ -42,6 +42,6 @@ async def test_models_health_version_metrics(client, engine):
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
         "skiff_gateway_http_requests_total",
-        "skiff_gateway_engine_ready 1.0",
+        'skiff_gateway_engine_ready{model_name="' + MODEL + '"} 1.0',
     ):
         assert name in text, name

@@ -160,14 +160,17 @@ def test_routes_are_counted_per_shard_and_reason_and_exported():
     assert shards[1].routed == {"load": 1} and shards[1].matched_tokens == 0
 
     engine = SimpleNamespace(ready=True, shards=shards)
-    value = GatewayMetrics("m", engine).registry.get_sample_value
-    assert value("skiff_gateway_shard_requests_total", {"shard": "0", "reason": "prefix"}) == 2
-    assert value("skiff_gateway_shard_requests_total", {"shard": "0", "reason": "load"}) == 0
-    assert value("skiff_gateway_shard_requests_total", {"shard": "1", "reason": "load"}) == 1
-    assert value("skiff_gateway_shard_prefix_matched_tokens_total", {"shard": "0"}) == 640
-    assert value("skiff_gateway_shard_ready_workers", {"shard": "1"}) == 1
+    metrics = GatewayMetrics()
+    metrics.add_engine("m", engine)
+    value = metrics.registry.get_sample_value
+    m = {"model_name": "m"}
+    assert value("skiff_gateway_shard_requests_total", {**m, "shard": "0", "reason": "prefix"}) == 2
+    assert value("skiff_gateway_shard_requests_total", {**m, "shard": "0", "reason": "load"}) == 0
+    assert value("skiff_gateway_shard_requests_total", {**m, "shard": "1", "reason": "load"}) == 1
+    assert value("skiff_gateway_shard_prefix_matched_tokens_total", {**m, "shard": "0"}) == 640
+    assert value("skiff_gateway_shard_ready_workers", {**m, "shard": "1"}) == 1
     shards[1].heartbeat(_beat(leaving=True))
-    assert value("skiff_gateway_shard_ready_workers", {"shard": "1"}) == 0
+    assert value("skiff_gateway_shard_ready_workers", {**m, "shard": "1"}) == 0
 
 
 def test_routing_settings_are_checked():
