@@ -1,4 +1,5 @@
-"""Start a whole local stack as separate processes: nats-server, scheduler, worker(s), gateway.
+"""Start a whole local stack as separate processes: nats-server, scheduler, worker(s), gateway;
+with `extra_models`, a scheduler and a worker more per extra model (`StackModel`).
 
 Used by `skiff serve` and by the end-to-end tests, so both run exactly the same thing.
 """
@@ -6,6 +7,7 @@ Used by `skiff serve` and by the end-to-end tests, so both run exactly the same 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,13 +34,14 @@ from services.worker.config import (
     WorkerServiceConfig,
 )
 from shared.bus import ConnectOptions
-from shared.cli_args import env_var, setting, to_argv
+from shared.cli_args import env_var, name_value_pairs, setting, to_argv
 from shared.config import NatsClientConfig, SchedulerConfig
 from shared.nats_auth import (
     ADMIN,
     GATEWAY,
     SCHEDULER,
     WORKER,
+    ModelSubjects,
     NatsUser,
     ServerTls,
     new_password,
@@ -68,6 +72,25 @@ SIM_WORKERS_USER = "sim-workers"  # the NATS user of the simulated workers' one 
 
 class StartupError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class StackModel:
+    """A model of the stack: its name in the API, its directory and its schedulers' subjects.
+    Model 0 is the stack's own, with `workers` workers and `scheduler_shards` shards; each
+    extra model i has one scheduler and one worker, named model<i>-scheduler and
+    model<i>-worker-0, on the subject prefix <prefix>.models.m<i>."""
+
+    index: int
+    name: str
+    model_dir: str
+    subject_prefix: str
+    num_shards: int = 1
+
+    @property
+    def proc_prefix(self) -> str:
+        """Of its processes' (and worker ids') names."""
+        return f"model{self.index}-" if self.index else ""
 
 
 @dataclass(frozen=True)
@@ -116,9 +139,17 @@ class StackConfig:
     worker_http_port: int = setting(
         0, "worker i's /health, /ready and /metrics on 127.0.0.1 at this port + i (0: off)"
     )
+    extra_models: str = setting(
+        "",
+        "more models served beside --model, name=model_dir separated by spaces or commas: each "
+        "gets a scheduler and a worker of its own (no metrics ports); a request names one as "
+        "its model (docs/models.md)",
+    )
     log_dir: str | None = setting(None, "", cli=False)  # None: children log to our stderr
 
     def __post_init__(self) -> None:
+        if name_value_pairs(self.extra_models, "extra model") and self.simulated:
+            raise ValueError("extra models need real workers, not simulated ones")
         if self.prefill_workers < 0 or self.decode_workers < 0:
             raise ValueError("prefill_workers and decode_workers must be >= 0")
         if (
@@ -154,6 +185,25 @@ class StackConfig:
     def served_model_name(self) -> str:
         """The model's name in the API and the metrics: the gateway's, else its directory's."""
         return self.gateway.served_model_name or Path(self.runner.model_dir).name
+
+    @property
+    def models(self) -> list[StackModel]:
+        """The stack's own model, then each of `extra_models`."""
+        own = StackModel(
+            0,
+            self.served_model_name,
+            self.runner.model_dir,
+            self.subject_prefix,
+            self.scheduler_shards,
+        )
+        extras = name_value_pairs(self.extra_models, "extra model").items()
+        return [
+            own,
+            *(
+                StackModel(i, name, model_dir, f"{self.subject_prefix}.models.m{i}")
+                for i, (name, model_dir) in enumerate(extras, 1)
+            ),
+        ]
 
 
 class Stack:
@@ -209,8 +259,14 @@ class Stack:
         argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", port]
         tls = self._server_tls() if self._server_tls_wanted() else None
         users = list(self._generate_nats_users().values()) if c.nats_auth else None
+        models = [ModelSubjects(m.subject_prefix, m.num_shards) for m in c.models[1:]]
         conf = server_config(
-            users, c.subject_prefix, c.scheduler_shards, tls=tls, max_payload=c.nats_max_payload
+            users,
+            c.subject_prefix,
+            c.scheduler_shards,
+            tls=tls,
+            max_payload=c.nats_max_payload,
+            models=models,
         )
         if conf:  # max_payload, TLS and users are not command-line flags of nats-server
             path = self._private_dir() / "nats.conf"
@@ -253,6 +309,11 @@ class Stack:
                 users.append(NatsUser(SIM_WORKERS_USER, new_password(), WORKER, tuple(ids)))
             else:
                 users += [NatsUser(i, new_password(), WORKER, (i,)) for i in ids]
+            for model in c.models[1:]:
+                worker_id = f"{model.proc_prefix}worker-0"
+                users.append(
+                    NatsUser(worker_id, new_password(), WORKER, (worker_id,), model.subject_prefix)
+                )
             for user in users:
                 write_private(self._password_file(user.name), user.password)
             self._nats_users = {user.name: user for user in users}
@@ -300,30 +361,48 @@ class Stack:
         name = "scheduler" if c.scheduler_shards == 1 else f"scheduler-{shard}"
         self._spawn(name, self._python("services.scheduler.main", *argv))
 
-    def start_worker(self, index: int) -> None:
-        """worker-<index> in a process of its own (a simulated one with device sim)."""
-        argv = self._worker_argv(f"worker-{index}", index)
-        argv += ["--role", self.config.worker_roles[index]]
+    def start_model_scheduler(self, model: StackModel) -> None:
+        """The scheduler of an extra model: no metrics port, no LoRA modules."""
+        service = dataclasses.replace(
+            self._as_nats_user(self.config.scheduler_service, SCHEDULER),
+            served_model_name=model.name,
+            subject_prefix=model.subject_prefix,
+            metrics_port=0,
+            lora_modules="",
+        )
+        argv = to_argv(service) + to_argv(self.config.scheduler)
+        self._spawn(f"{model.proc_prefix}scheduler", self._python("services.scheduler.main", *argv))
+
+    def start_worker(self, index: int, model_index: int = 0) -> None:
+        """worker-<index> of the model `model_index` in a process of its own (a simulated one
+        with device sim)."""
+        model = self.config.models[model_index]
+        worker_id = f"{model.proc_prefix}worker-{index}"
+        argv = self._worker_argv(worker_id, index, model)
+        argv += ["--role", self.config.worker_roles[index] if model.index == 0 else ROLE_MIXED]
         if self.config.simulated:
             argv += to_argv(self.config.sim)
-        self._spawn(f"worker-{index}", self._python("services.worker.main", *argv))
+        self._spawn(worker_id, self._python("services.worker.main", *argv))
 
     def start_sim_workers(self) -> None:
         """All `workers` simulated workers in one process, ids worker-0, worker-1, ..."""
         roles = self.config.worker_roles
         n = len(roles)
-        argv = self._worker_argv("worker-0" if n == 1 else "worker", 0)  # --count adds -0, -1, ...
+        argv = self._worker_argv(
+            "worker-0" if n == 1 else "worker", 0, self.config.models[0]
+        )  # --count adds -0, -1, ...
         argv += [*to_argv(self.config.sim), "--count", str(n), "--roles", ",".join(roles)]
         self._spawn("sim-workers", self._python("services.worker.main", *argv))
 
-    def _worker_argv(self, worker_id: str, index: int) -> list[str]:
-        """Flags of the worker process of `index` (its HTTP port's offset)."""
+    def _worker_argv(self, worker_id: str, index: int, model: StackModel) -> list[str]:
+        """Flags of the worker process of `index` (its HTTP port's offset; none for an extra
+        model's) serving `model`."""
         c = self.config
         service = WorkerServiceConfig(
-            subject_prefix=c.subject_prefix,
+            subject_prefix=model.subject_prefix,
             worker_id=worker_id,
-            served_model_name=c.served_model_name,
-            scheduler_shards=c.scheduler_shards,
+            served_model_name=model.name,
+            scheduler_shards=model.num_shards,
         )
         service = self._as_nats_user(service, SIM_WORKERS_USER if c.simulated else worker_id)
         runner = dataclasses.replace(
@@ -331,8 +410,11 @@ class Stack:
             max_num_seqs=c.scheduler.max_num_seqs,
             max_model_len=c.scheduler.max_model_len,
         )
-        http = WorkerHttpConfig(http_port=c.worker_http_port + index if c.worker_http_port else 0)
-        return ["--model", c.runner.model_dir, *to_argv(service), *to_argv(runner), *to_argv(http)]
+        if model.index:
+            runner = dataclasses.replace(runner, model_dir=model.model_dir)
+        port = c.worker_http_port + index if c.worker_http_port and not model.index else 0
+        http = WorkerHttpConfig(http_port=port)
+        return ["--model", model.model_dir, *to_argv(service), *to_argv(runner), *to_argv(http)]
 
     def start_gateway(self) -> None:
         c = self.config
@@ -342,6 +424,13 @@ class Stack:
             model_dir=c.runner.model_dir,
             served_model_name=c.served_model_name,
             scheduler_shards=c.scheduler_shards,
+            # always given: the SKIFF_EXTRA_MODELS it inherits would be ours (name=dir)
+            extra_models=json.dumps(
+                [
+                    {"name": m.name, "model_dir": m.model_dir, "subject_prefix": m.subject_prefix}
+                    for m in c.models[1:]
+                ]
+            ),
         )
         self._spawn("gateway", self._python("services.gateway.main", *to_argv(gateway)))
 
@@ -357,6 +446,10 @@ class Stack:
             for shard in range(self.config.scheduler_shards):
                 say(f"starting scheduler (shard {shard})")
                 self.start_scheduler(shard)
+            for model in self.config.models[1:]:
+                say(f"starting {model.name}'s scheduler and worker (loading the model)")
+                self.start_model_scheduler(model)
+                self.start_worker(0, model.index)
             if self.config.simulated:
                 say(f"starting {len(self.config.worker_roles)} simulated worker(s)")
                 self.start_sim_workers()
@@ -377,6 +470,14 @@ class Stack:
 
     def restart(self, name: str) -> None:
         """Start the process `name` of `procs` again, as `start` started it."""
+        model_name, _, extra = name.partition("-")  # "model1-scheduler", "model1-worker-0"
+        if model_name.startswith("model") and extra:
+            model = self.config.models[int(model_name.removeprefix("model"))]
+            if extra == "scheduler":
+                self.start_model_scheduler(model)
+            else:
+                self.start_worker(int(extra.removeprefix("worker-")), model.index)
+            return
         kind, _, index = name.partition("-")  # "worker-3", "scheduler-1"
         if name == "sim-workers":
             self.start_sim_workers()
@@ -392,13 +493,19 @@ class Stack:
             raise KeyError(name)
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Until the gateway has a ready scheduler for every model."""
         deadline = time.monotonic() + timeout_s
+        waiting = [m.name for m in self.config.models]
         while time.monotonic() < deadline:
             self.check_alive()
+            query = urllib.parse.urlencode({"model": waiting[0]})
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                with urllib.request.urlopen(f"{self.url}/health?{query}", timeout=2) as resp:
                     if resp.status == 200:
-                        return
+                        waiting.pop(0)
+                        if not waiting:
+                            return
+                        continue
             except OSError:
                 pass
             time.sleep(0.5)

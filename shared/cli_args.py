@@ -30,6 +30,20 @@ def setting(default: Any, help: str, *, cli: bool = True) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, "cli": cli})
 
 
+def name_value_pairs(text: str, what: str) -> dict[str, str]:
+    """`name=value` items separated by spaces or commas (as in vLLM's `--lora-modules`);
+    `what` names an item in the errors."""
+    pairs: dict[str, str] = {}
+    for item in text.replace(",", " ").split():
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ValueError(f"{what} {item!r} is not name=path")
+        if name in pairs:
+            raise ValueError(f"{what} {name!r} is given twice")
+        pairs[name] = value
+    return pairs
+
+
 def flag(name: str) -> str:
     """The flag of the field `name`: `--max-num-seqs` for `max_num_seqs`."""
     return "--" + name.replace("_", "-")

@@ -4,10 +4,11 @@ routes).
 
 Roles: `admin` (operators and tests: everything), `gateway`, `scheduler` (every shard) and one
 `worker` user per worker process, allowed only its own workers' plans. A deployment serving
-several models has one subject prefix (and shard count) per model (`ModelSubjects`): the gateway
-and scheduler users get the subjects of every model, a worker user those of its own model. Each user's
-request-reply inboxes are `_INBOX.<user>.*` (`inbox_prefix`), readable by that user alone; a
-scheduler may answer requests (`allow_responses`) without publishing on anyone's inbox.
+several models has one subject prefix (and shard count) per model (`ModelSubjects`): the
+gateway and scheduler users get the subjects of every model, a worker user those of its own
+model. Each user's request-reply inboxes are `_INBOX.<user>.*` (`inbox_prefix`), readable by
+that user alone; a scheduler may answer requests (`allow_responses`) without publishing on
+anyone's inbox.
 
 `python -m shared.nats_auth` writes the configuration for a nats-server of its own (the Helm
 chart runs it in an init container); `Stack.start_nats` calls `server_config` directly.
@@ -144,9 +145,7 @@ def _service_permissions(user: NatsUser, model: ModelSubjects) -> Permissions:
 
 
 def _worker_permissions(user: NatsUser, model: ModelSubjects) -> Permissions:
-    own = [
-        (Subjects(worker_prefix(model.prefix, w, model.num_shards)), w) for w in user.worker_ids
-    ]
+    own = [(Subjects(worker_prefix(model.prefix, w, model.num_shards)), w) for w in user.worker_ids]
     return Permissions(
         publish=_unique(
             *(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 
+from shared.cli_args import name_value_pairs
 from shared.wire import LoRARequest
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
@@ -24,15 +25,9 @@ class LoRARegistryError(ValueError):
 
 def parse_lora_modules(text: str) -> dict[str, str]:
     """`name=path` pairs separated by spaces or commas (vLLM's `--lora-modules`)."""
-    modules: dict[str, str] = {}
-    for item in text.replace(",", " ").split():
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"lora module {item!r} is not name=path")
+    modules = name_value_pairs(text, "lora module")
+    for name in modules:
         check_name(name)
-        if name in modules:
-            raise ValueError(f"lora module {name!r} is given twice")
-        modules[name] = path
     return modules
 
 

@@ -130,7 +130,8 @@ def _lower(*subjects: str) -> set[str]:
 def _gateway_migrations(stack) -> float:
     with urllib.request.urlopen(f"{stack.url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    match = re.search(r"^skiff_gateway_engine_migrated_total\{model_name=\"[^\"]*\"\} (\S+)$", text, re.MULTILINE)
+    counter = r'^skiff_gateway_engine_migrated_total\{model_name="[^"]*"\} (\S+)$'
+    match = re.search(counter, text, re.MULTILINE)
     assert match, "no migration counter on the gateway's /metrics"
     return float(match[1])
 

@@ -136,3 +136,49 @@ def test_serve_passes_its_settings_to_every_process():
     assert (gateway.port, gateway.model_dir, gateway.nats_url) == (8123, "/m", stack.nats_url)
     assert (gateway.served_model_name, gateway.max_model_len) == ("n", None)
     assert dataclasses.replace(stack_config_, workers=2) == stack_config_
+
+
+def test_serve_runs_a_scheduler_and_a_worker_per_extra_model(capsys):
+    from services.cli import build_serve_parser, stack_config
+    from services.gateway.main import parse_args as gateway_args
+    from services.launcher import Stack
+    from services.scheduler.main import parse_args as scheduler_args
+    from services.worker.main import build_parser as worker_parser
+
+    parser = build_serve_parser()
+    argv = ["--model", "/m", "--served-model-name", "n", "--extra-models", "tiny=/t,big=/b"]
+    args, configs = parser.parse_configs(argv)
+    stack = Stack(stack_config(parser, args, configs, args.model))
+    assert [(m.name, m.subject_prefix) for m in stack.config.models] == [
+        ("n", "skiff"),
+        ("tiny", "skiff.models.m1"),
+        ("big", "skiff.models.m2"),
+    ]
+    spawned: dict[str, list[str]] = {}
+    stack._spawn = lambda name, argv: spawned.setdefault(name, argv[3:])  # type: ignore[method-assign]
+    stack.restart("model2-scheduler")
+    stack.restart("model2-worker-0")
+    stack.start_gateway()
+    service, _ = scheduler_args(spawned["model2-scheduler"])
+    assert (service.served_model_name, service.subject_prefix) == ("big", "skiff.models.m2")
+    assert service.metrics_port == 0
+    parser = worker_parser()
+    worker_ns, worker = parser.parse_configs(spawned["model2-worker-0"])
+    assert worker_ns.model == "/b" and worker_ns.role == "mixed"
+    assert worker[WorkerServiceConfig].subject_prefix == "skiff.models.m2"
+    assert worker[WorkerServiceConfig].worker_id == "model2-worker-0"
+    routes = gateway_args(spawned["gateway"]).models
+    assert [(r.name, r.model_dir, r.subject_prefix) for r in routes] == [
+        ("n", "/m", "skiff"),
+        ("tiny", "/t", "skiff.models.m1"),
+        ("big", "/b", "skiff.models.m2"),
+    ]
+    for bad, error in (
+        ([*argv, "--worker-device", "sim"], "extra models need real workers"),
+        (["--extra-models", "tiny"], "extra model 'tiny' is not name=path"),
+    ):
+        parser = build_serve_parser()
+        with pytest.raises(SystemExit):
+            args, configs = parser.parse_configs(bad)
+            stack_config(parser, args, configs, "/m")
+        assert error in capsys.readouterr().err
