@@ -148,8 +148,11 @@ class StackConfig:
     log_dir: str | None = setting(None, "", cli=False)  # None: children log to our stderr
 
     def __post_init__(self) -> None:
-        if name_value_pairs(self.extra_models, "extra model") and self.simulated:
+        names = [m.name for m in self.models]
+        if len(names) > 1 and self.simulated:
             raise ValueError("extra models need real workers, not simulated ones")
+        if len(set(names)) != len(names):
+            raise ValueError(f"two models have the same name: {names}")
         if self.prefill_workers < 0 or self.decode_workers < 0:
             raise ValueError("prefill_workers and decode_workers must be >= 0")
         if (

@@ -176,6 +176,7 @@ def test_serve_runs_a_scheduler_and_a_worker_per_extra_model(capsys):
     for bad, error in (
         ([*argv, "--worker-device", "sim"], "extra models need real workers"),
         (["--extra-models", "tiny"], "extra model 'tiny' is not name=path"),
+        (["--served-model-name", "n", "--extra-models", "n=/t"], "two models have the same name"),
     ):
         parser = build_serve_parser()
         with pytest.raises(SystemExit):
