@@ -14,10 +14,12 @@ NO_LORA = -1  # the slot index of a token of the base model
 class LoRAMapping:
     """`token_lora_indices` [num_tokens] int64: each token's adapter slot (`NO_LORA`: none);
     `groups`: (slot, rows [n] int64) for each slot the step uses, rows in token order (the
-    CPU path multiplies each adapter's rows at once)."""
+    torch path multiplies each adapter's rows at once); `token_slots`: the slots as int32 on
+    the host (the C++ CPU op's)."""
 
     token_lora_indices: torch.Tensor
     groups: tuple[tuple[int, torch.Tensor], ...]
+    token_slots: torch.Tensor
 
     @classmethod
     def build(cls, token_lora_indices: torch.Tensor) -> LoRAMapping:
@@ -27,7 +29,7 @@ class LoRAMapping:
         groups = tuple(
             (slot, torch.nonzero(host == slot).flatten().to(indices.device)) for slot in slots
         )
-        return cls(indices, groups)
+        return cls(indices, groups, host.to(torch.int32))
 
     @property
     def active(self) -> bool:

@@ -78,17 +78,28 @@ def add_lora(
     place; lora_a [num_slots, rank, in], lora_b [num_slots, out, rank]; tokens without an
     adapter keep their bits. Triton (kernels/lora.py): one program per token, shrink then
     expand over mapping.token_lora_indices. Otherwise each adapter's tokens are multiplied
-    together, so a token's result does not depend on which other adapters share the step."""
+    together (the C++ CPU op where ranks and inputs are multiples of 16), so a token's result
+    does not depend on which other adapters share the step."""
     if use_triton(x):
         if not mapping.active:
             return y
         from kernels import lora as kernel
 
         return kernel.add_lora(y, x, lora_a, lora_b, mapping.token_lora_indices)
+    if use_cpu_ops(x) and cpu_lora_fits(lora_a) and y.is_contiguous():
+        torch.ops.skiff_cpu.add_lora(y, x.contiguous(), lora_a, lora_b, mapping.token_slots)
+        return y
     for slot, rows in mapping.groups:
         shrunk = x.index_select(0, rows) @ lora_a[slot].t()  # [n, rank]
         y.index_add_(0, rows, shrunk @ lora_b[slot].t())
     return y
+
+
+def cpu_lora_fits(lora_a: torch.Tensor) -> bool:
+    """`skiff_cpu::add_lora` covers these adapter weights (lora_a [slots, rank, in]): fp32,
+    rank and inputs in multiples of 16."""
+    rank, in_features = lora_a.shape[1:]
+    return lora_a.dtype == torch.float32 and rank % 16 == 0 and in_features % 16 == 0
 
 
 def rms_norm(

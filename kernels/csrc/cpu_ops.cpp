@@ -18,7 +18,10 @@
 //   request) in a single call: residual add + RMSNorm, QKV projection (+ bias, q/k norm),
 //   rotary, KV-cache write, paged attention read straight from the cache through the block
 //   table, output projection, residual add + RMSNorm, gate/up projection, SiLU-and-mul, down
-//   projection;
+//   projection; with LoRA adapters, each projection adds its tokens' adapter updates;
+// - add_lora(y, x, lora_a, lora_b, slots): y += each token's adapter update
+//   lora_b[s] @ (lora_a[s] @ x[t]), s = slots[t] (-1: none), the tokens of one adapter
+//   multiplied together with the linear kernel (a token's bits do not depend on the others);
 // - paged_attention(...): causal attention of a step's tokens (decode and prefill chunks)
 //   against the paged cache, read in place through the block table: a decode token reads its
 //   context once for its query heads, a prefill chunk once per tile of its tokens;
@@ -48,6 +51,7 @@ using skiff_cpu::kQ8Quad;
 using skiff_cpu::WeightFormat;
 
 constexpr int64_t kTokensPerChunk = 64;  // rows of x kept in cache while the weight streams
+constexpr int64_t kLoRAColumns = 64;     // output columns of one LoRA expand work item
 
 bool is_fp32_cpu(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat;
@@ -215,6 +219,80 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
   linear_into(x.data_ptr<float>(), *w, y.data_ptr<float>(), x.size(0), x.size(1), N);
   return y;
 }
+
+// y [T, N] += lora_b[s] [N, R] @ (lora_a[s] [R, K] @ x[t]) for each token t of an adapter slot
+// s = slots[t] (-1: none). Each slot's tokens are gathered and multiplied by linear_rows (its
+// rank R and K multiples of 16): first the shrink of every slot, then the expand in chunks of
+// output columns, spread over the threads.
+void add_lora_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
+                   const at::Tensor& lora_b, const at::Tensor& slots) {
+  const at::Tensor& out = y;
+  for (const at::Tensor* t : {&out, &x, &lora_a, &lora_b})
+    TORCH_CHECK(is_fp32_cpu(*t) && t->is_contiguous(), "add_lora: contiguous fp32 CPU tensors");
+  TORCH_CHECK(slots.scalar_type() == at::kInt && slots.is_contiguous() &&
+                  slots.size(0) == x.size(0),
+              "add_lora: slots are int32, one per token");
+  const int64_t num_slots = lora_a.size(0), R = lora_a.size(1), K = lora_a.size(2);
+  const int64_t N = lora_b.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && y.dim() == 2 && y.size(0) == x.size(0) &&
+                  y.size(1) == N && lora_b.size(0) == num_slots && lora_b.size(2) == R,
+              "add_lora: y [T, N], x [T, K], lora_a [S, R, K], lora_b [S, N, R]");
+  TORCH_CHECK(K % 16 == 0 && R % 16 == 0, "add_lora: K and the rank must be multiples of 16");
+  const int32_t* slot_of = slots.data_ptr<int32_t>();
+  std::vector<std::vector<int64_t>> rows(num_slots);
+  for (int64_t t = 0; t < x.size(0); ++t) {
+    TORCH_CHECK(slot_of[t] < num_slots, "add_lora: a slot index is out of range");
+    if (slot_of[t] >= 0) rows[slot_of[t]].push_back(t);
+  }
+  std::vector<int64_t> used;
+  for (int64_t s = 0; s < num_slots; ++s)
+    if (!rows[s].empty()) used.push_back(s);
+  const int64_t G = static_cast<int64_t>(used.size());
+  const auto& k = skiff_cpu::kernels();
+  const float *xs = x.data_ptr<float>(), *as = lora_a.data_ptr<float>();
+  const float* bs = lora_b.data_ptr<float>();
+  std::vector<std::vector<float>> shrunk(G), expanded(G);  // [m, R], [m, N] per used slot
+  at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> gathered;
+    for (int64_t g = begin; g < end; ++g) {
+      const auto& r = rows[used[g]];
+      const int64_t m = static_cast<int64_t>(r.size());
+      gathered.resize(m * K);
+      for (int64_t i = 0; i < m; ++i) std::copy_n(xs + r[i] * K, K, gathered.data() + i * K);
+      shrunk[g].resize(m * R);
+      expanded[g].resize(m * N);
+      k.linear_rows(gathered.data(), as + used[g] * R * K, WeightFormat::kFloat32, nullptr,
+                    shrunk[g].data(), m, K, R, 0, R);
+    }
+  });
+  const int64_t chunks = (N + kLoRAColumns - 1) / kLoRAColumns;
+  float* ys = y.data_ptr<float>();
+  at::parallel_for(0, G * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = i / chunks, n0 = (i % chunks) * kLoRAColumns;
+      const int64_t n1 = std::min(N, n0 + kLoRAColumns);
+      const auto& r = rows[used[g]];
+      const int64_t m = static_cast<int64_t>(r.size());
+      float* update = expanded[g].data();
+      k.linear_rows(shrunk[g].data(), bs + used[g] * N * R, WeightFormat::kFloat32, nullptr,
+                    update, m, R, N, n0, n1);
+      for (int64_t j = 0; j < m; ++j)
+        for (int64_t n = n0; n < n1; ++n) ys[r[j] * N + n] += update[j * N + n];
+    }
+  });
+}
+
+// The LoRA adapters of decode_layer's projections: per projection its (lora_a, lora_b), in the
+// order qkv, o, gate_up, down (8 tensors), and each token's slot; none when `lora` is empty.
+struct LayerLoRA {
+  at::TensorList lora;
+  const std::optional<at::Tensor>& slots;
+
+  void add(int projection, at::Tensor& y, const at::Tensor& x) const {
+    if (lora.empty()) return;
+    add_lora_into(y, x, lora[2 * projection], lora[2 * projection + 1], *slots);
+  }
+};
 
 // One unit of attention work for one KV head: `tokens` consecutive query rows of a request
 // (from row `row`), at positions first_pos .. first_pos + tokens - 1 of its context. A decode
@@ -395,8 +473,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const std::optional<at::Tensor>& o_scale,
     const std::optional<at::Tensor>& gate_up_scale,
     const std::optional<at::Tensor>& down_scale,
-    double eps, double scale, int64_t num_heads, int64_t block_size) {
+    double eps, double scale, int64_t num_heads, int64_t block_size,
+    at::TensorList lora,  // [] or 4 x (lora_a [S, R, K], lora_b [S, N, R])
+    const std::optional<at::Tensor>& lora_slots) {  // [B] int32: each token's slot, -1: none
   TORCH_CHECK(*skiff_cpu::isa(), "decode_layer needs AVX2 or AVX-512");
+  TORCH_CHECK(lora.empty() || (lora.size() == 8 && lora_slots.has_value()),
+              "decode_layer: LoRA takes 8 tensors and the tokens' slots");
+  const LayerLoRA adapters{lora, lora_slots};
   for (const at::Tensor* t :
        {&hidden, &residual, &input_norm, &cos_sin, &key_cache, &value_cache, &post_norm}) {
     TORCH_CHECK(is_fp32_cpu(*t) && t->is_contiguous(),
@@ -416,6 +499,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   auto [normed, x] = rms_norm(hidden, input_norm, eps, residual);
   at::Tensor qkv = project(normed, qkv_weight, qkv_scale, q_size + 2 * kv_size);  // [B, q + 2 kv]
   if (qkv_bias.has_value() && qkv_bias->defined()) qkv.add_(*qkv_bias);
+  adapters.add(0, qkv, normed);
 
   // Per-head q/k norm and rotary; the new keys and values into the cache.
   float* qkv_p = qkv.data_ptr<float>();
@@ -449,9 +533,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
   // Output projection, residual add, RMSNorm, MLP.
   at::Tensor attn_out = project(attn, o_weight, o_scale, H);  // [B, H]
+  adapters.add(1, attn_out, attn);
   auto [normed2, x2] = rms_norm(attn_out, post_norm, eps, x);
   at::Tensor gate_up = project(normed2, gate_up_weight, gate_up_scale, 2 * I);  // [B, 2 I]
-  return {project(silu_and_mul(gate_up), down_weight, down_scale, H), x2};
+  adapters.add(2, gate_up, normed2);
+  at::Tensor act = silu_and_mul(gate_up);  // [B, I]
+  at::Tensor out = project(act, down_weight, down_scale, H);
+  adapters.add(3, out, act);
+  return {out, x2};
 }
 
 }  // namespace
@@ -473,8 +562,9 @@ TORCH_LIBRARY(skiff_cpu, m) {
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor block_table, "
       "Tensor seq_lens, Tensor o_weight, Tensor post_norm, Tensor gate_up_weight, "
       "Tensor down_weight, Tensor? qkv_scale, Tensor? o_scale, Tensor? gate_up_scale, "
-      "Tensor? down_scale, float eps, float scale, int num_heads, int block_size) "
-      "-> (Tensor, Tensor)");
+      "Tensor? down_scale, float eps, float scale, int num_heads, int block_size, "
+      "Tensor[] lora, Tensor? lora_slots) -> (Tensor, Tensor)");
+  m.def("add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor slots) -> ()");
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor block_table, float scale, "
@@ -490,6 +580,9 @@ TORCH_LIBRARY_IMPL(skiff_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_packed", &linear_packed);
   m.impl("decode_layer", &decode_layer);
+  m.impl("add_lora", [](at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a,
+                        const at::Tensor& lora_b,
+                        const at::Tensor& slots) { add_lora_into(y, x, lora_a, lora_b, slots); });
   m.impl("paged_attention", &paged_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);

@@ -4,7 +4,9 @@ instead of ~40 eager torch ops: residual add and RMSNorm, QKV projection (+ bias
 rotary, the KV-cache write, paged attention read where the keys and values lie (through the
 block table, never gathered into a padded copy), output projection, RMSNorm, gate/up
 projection, SiLU-and-mul and down projection. Its projections stream the fp32 weights at close
-to the memory bandwidth, which is what bounds a decode step on the CPU.
+to the memory bandwidth, which is what bounds a decode step on the CPU. A step with LoRA
+adapters passes each projection's adapter slots (services/worker/lora/weights.py) and each
+token's slot: the op adds the adapters' updates after each projection (`skiff_cpu::add_lora`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from typing import cast
 import torch
 
 from kernels import cpu_ops
+from kernels.lora_mapping import LoRAMapping
+from kernels.ops import cpu_lora_fits
 from services.worker.attention import AttentionMetadata
+from services.worker.lora.weights import MODULE_ATTR
 from services.worker.models.decoder import DecoderForCausalLM, DecoderLayer
 from services.worker.models.layers import weight_panels, weight_scale
 
@@ -32,6 +37,12 @@ class FusedCpuDecode:
         self.scale = layers[0].self_attn.scale
         pairs = zip(layers, kv_caches, strict=True)
         self.layers = [_layer_args(layer, cache) for layer, cache in pairs]
+        self.lora = [_layer_lora(layer) for layer in layers]  # per layer: [] without adapters
+
+    @property
+    def runs_lora(self) -> bool:
+        """Steps with adapters run here too: the model has adapter slots the op covers."""
+        return all(self.lora) and all(cpu_lora_fits(a) for layer in self.lora for a in layer[::2])
 
     @staticmethod
     def supports(model: DecoderForCausalLM) -> bool:
@@ -48,9 +59,14 @@ class FusedCpuDecode:
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
-        """Hidden states [B, hidden] of a decode-only step (one query token per request)."""
+        """Hidden states [B, hidden] of a decode-only step (one query token per request);
+        `lora`: its tokens' adapter slots (`runs_lora` must hold)."""
         model = self.model
         residual = model.embed_tokens(input_ids)  # [B, hidden]
         hidden = torch.zeros_like(residual)  # layer 0 adds it to the embedding: exact
@@ -58,9 +74,19 @@ class FusedCpuDecode:
         slot_mapping = meta.slot_mapping.long()
         step = (slot_mapping, meta.block_table, meta.seq_lens)
         attention = (self.eps, self.scale, self.num_heads, self.block_size)
-        for pre, cache, post in self.layers:
+        slots = None if lora is None else lora.token_slots
+        for (pre, cache, post), adapters in zip(self.layers, self.lora, strict=True):
             hidden, residual = torch.ops.skiff_cpu.decode_layer(
-                hidden, residual, *pre, cos_sin, *cache, *step, *post, *attention
+                hidden,
+                residual,
+                *pre,
+                cos_sin,
+                *cache,
+                *step,
+                *post,
+                *attention,
+                adapters if lora is not None else [],
+                slots,
             )
             model.progress += 1
         normed: torch.Tensor = model.norm(hidden, residual)[0]
@@ -101,3 +127,17 @@ def _layer_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[_Args, _Ar
         *(weight(p)[1] for p in projections),
     )
     return pre, (slots[0], slots[1]), post
+
+
+def _layer_lora(layer: DecoderLayer) -> list[torch.Tensor]:
+    """The adapter slots of a layer's projections, as `decode_layer` takes them: (lora_a,
+    lora_b) of qkv, o, gate_up and down ([] when the model runs without adapters)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    tensors: list[torch.Tensor] = []
+    for projection in projections:
+        slots = getattr(projection, MODULE_ATTR, None)
+        if slots is None:
+            return []
+        tensors += [slots.lora_a, slots.lora_b]
+    return tensors

@@ -214,8 +214,12 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         self.timer.cuda_graph = False
+        fused = self.fused_cpu_decode
+        decode_only = inputs.meta.max_query_len == 1
         if inputs.lora is not None and self.lora is not None:
-            # eager: neither the captured graphs nor the fused CPU decode carry adapters
+            if fused is not None and decode_only and fused.runs_lora:
+                return fused.forward(inputs.input_ids, inputs.positions, inputs.meta, inputs.lora)
+            # eager: the captured graphs do not carry adapters
             with self.lora.step.use(inputs.lora):
                 return self._eager_forward(inputs)
         if self.decode_graphs is not None:
@@ -223,8 +227,8 @@ class ModelRunner:
             if hidden is not None:
                 self.timer.cuda_graph = True
                 return hidden
-        if self.fused_cpu_decode is not None and inputs.meta.max_query_len == 1:
-            return self.fused_cpu_decode.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        if fused is not None and decode_only:
+            return fused.forward(inputs.input_ids, inputs.positions, inputs.meta)
         return self._eager_forward(inputs)
 
     def _eager_forward(self, inputs: StepInputs) -> torch.Tensor:
