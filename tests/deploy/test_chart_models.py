@@ -89,7 +89,8 @@ def resolve(root: Doc, pointer: str) -> Doc:
     node: Any = root
     for part in pointer.removeprefix("#/").split("/"):
         node = node[int(part) if isinstance(node, list) else part]
-    return node
+    found: Doc = node
+    return found
 
 
 def requires(root: Doc, schema: Doc) -> bool:
@@ -554,16 +555,16 @@ def test_nats_knows_every_models_subjects_and_workers(tmp_path: Path) -> None:
     args = [a for a in command[3:] if not a.startswith(("--out", "--password-dir", "--tls"))]
     nats_auth.main([*args, f"--password-dir={tmp_path}", f"--out={tmp_path / 'nats.conf'}"])
     conf = (tmp_path / "nats.conf").read_text()
-    users = {u["user"]: u for u in json.loads(conf.removeprefix("authorization "))["users"]}
+    known = {u["user"]: u for u in json.loads(conf.removeprefix("authorization "))["users"]}
     shards = {"skiff": 1, "skiff.models.qwen": 2, "skiff.models.small": 1}
     for prefix, names in WORKERS.items():
         for name in names:
             own = worker_prefix(prefix, name, shards[prefix])  # its shard's
-            subjects = users[name]["permissions"]["publish"]["allow"]
+            subjects = known[name]["permissions"]["publish"]["allow"]
             assert Subjects(own).worker_hello in subjects
             assert all(s.startswith(f"{own}.") for s in subjects), name
             assert not [s for s in subjects if s.startswith("skiff.models.") != (prefix != "skiff")]
-    gateway = users["gateway"]["permissions"]["publish"]["allow"]
+    gateway = known["gateway"]["permissions"]["publish"]["allow"]
     assert {
         "skiff.req.submit",
         "skiff.models.qwen.shard1.req.submit",
