@@ -344,8 +344,11 @@ def selects(selector: dict, labels: dict) -> bool:
     if not selector.get("matchLabels", {}).items() <= labels.items():
         return False
     for expr in selector.get("matchExpressions", []):
-        assert expr["operator"] == "In"
-        if labels.get(expr["key"]) not in expr["values"]:
+        assert expr["operator"] in ("In", "DoesNotExist")
+        if expr["operator"] == "DoesNotExist":
+            if expr["key"] in labels:
+                return False
+        elif labels.get(expr["key"]) not in expr["values"]:
             return False
     return True
 

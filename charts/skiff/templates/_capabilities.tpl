@@ -60,9 +60,13 @@ list of [CRD kind, apiVersion/Kind, the value that enables it]. */}}
 {{- if and $v.metrics.prometheusRule.enabled (not ($has.Has "monitoring.coreos.com/v1/PrometheusRule")) }}
 {{- $missing = append $missing (list "PrometheusRule (prometheus-operator)" "monitoring.coreos.com/v1/PrometheusRule" "metrics.prometheusRule.enabled") }}
 {{- end }}
-{{- range include "skiff.workerSets" . | fromJsonArray }}
+{{- $models := dict }}
+{{- $_ := include "skiff.models" (dict "ctx" . "into" $models) }}
+{{- range $model := $models.models }}
+{{- range include "skiff.workerSets" $model | fromJsonArray }}
 {{- if and .autoscaling.enabled (not ($has.Has "keda.sh/v1alpha1/ScaledObject")) }}
 {{- $missing = append $missing (list "ScaledObject (KEDA)" "keda.sh/v1alpha1/ScaledObject" (printf "%s.autoscaling.enabled" .values)) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- if and $v.gateway.httpRoute.enabled (not (include "skiff.httpRouteApiVersion" .)) }}

@@ -22,6 +22,12 @@
 app.kubernetes.io/name: {{ include "skiff.name" .ctx }}
 app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
+{{- /* a model's scope (skiff.models): its labels (none for the first model) */}}
+{{- with get .ctx "Model" }}
+{{- with .labels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Recommended labels of one component: (dict "ctx" $ "component" "gateway"). */}}
@@ -150,45 +156,51 @@ cluster routes, each server's name under the headless Service (a wildcard). */}}
 {{- toJson $names }}
 {{- end }}
 
-{{/* The worker sets, as a JSON list: the default set (component "worker", role mixed) and each
-enabled role set, worker.prefill and worker.decode (component "worker-prefill" or
-"worker-decode": a StatefulSet, Service, PDB and ScaledObject of its own). Each set carries
-what may differ between sets, an empty override of a role set taking worker's: component,
-role, values (its values path), replicas, autoscaling, kvCacheGiB, resources (worker.sim's for
-simulated workers), nodeSelector, tolerations, affinity. */}}
+{{/* The worker sets of a model (a scope of skiff.models), as a JSON list: the default set
+(component "worker", role mixed) and each enabled role set, worker.prefill and worker.decode
+(component "worker-prefill" or "worker-decode": a StatefulSet, Service, PDB and ScaledObject of
+its own). Each set carries what may differ between sets, an empty override of a role set taking
+worker's: component, role, values (its values path), replicas, autoscaling, kvCacheGiB,
+resources (worker.sim's for simulated workers), nodeSelector, tolerations, affinity. */}}
 {{- define "skiff.workerSets" -}}
+{{- $key := .Model.key }}
 {{- $w := .Values.worker }}
 {{- $sim := eq $w.device "sim" }}
-{{- $sets := list (dict "component" "worker" "role" "mixed" "values" "worker" "replicas" $w.replicas "autoscaling" $w.autoscaling "kvCacheGiB" $w.kvCacheGiB "resources" (ternary $w.sim.resources $w.resources $sim) "nodeSelector" $w.nodeSelector "tolerations" $w.tolerations "affinity" $w.affinity) }}
+{{- $sets := list (dict "component" "worker" "role" "mixed" "values" (printf "%sworker" $key) "replicas" $w.replicas "autoscaling" $w.autoscaling "kvCacheGiB" $w.kvCacheGiB "resources" (ternary $w.sim.resources $w.resources $sim) "nodeSelector" $w.nodeSelector "tolerations" $w.tolerations "affinity" $w.affinity) }}
 {{- range list (list "prefill" .Values.worker.prefill) (list "decode" .Values.worker.decode) }}
 {{- $role := index . 0 }}
 {{- $set := index . 1 }}
 {{- if $set.enabled }}
 {{- /* one Prometheus and polling for every ScaledObject of the release */}}
 {{- $autoscaling := merge (deepCopy $set.autoscaling) (pick $w.autoscaling "serverAddress" "pollingInterval" "cooldownPeriod") }}
-{{- $sets = append $sets (dict "component" (printf "worker-%s" $role) "role" $role "values" (printf "worker.%s" $role) "replicas" $set.replicas "autoscaling" $autoscaling "kvCacheGiB" ($set.kvCacheGiB | default $w.kvCacheGiB) "resources" ($set.resources | default (ternary $w.sim.resources $w.resources $sim)) "nodeSelector" ($set.nodeSelector | default $w.nodeSelector) "tolerations" ($set.tolerations | default $w.tolerations) "affinity" ($set.affinity | default $w.affinity)) }}
+{{- $sets = append $sets (dict "component" (printf "worker-%s" $role) "role" $role "values" (printf "%sworker.%s" $key $role) "replicas" $set.replicas "autoscaling" $autoscaling "kvCacheGiB" ($set.kvCacheGiB | default $w.kvCacheGiB) "resources" ($set.resources | default (ternary $w.sim.resources $w.resources $sim)) "nodeSelector" ($set.nodeSelector | default $w.nodeSelector) "tolerations" ($set.tolerations | default $w.tolerations) "affinity" ($set.affinity | default $w.affinity)) }}
 {{- end }}
 {{- end }}
 {{- toJson $sets }}
 {{- end }}
 
-{{/* The NATS users of one worker set's pods, space-separated: <fullname>-<component>-<ordinal>
-for every pod that its replicas (or autoscaling.maxReplicas) may run: (dict "ctx" $ "set" $set)
-with $set one of skiff.workerSets. */}}
+{{/* The NATS users of one worker set's pods, space-separated: <name>-<component>-<ordinal>
+(<name>: the model's, skiff.models) for every pod that its replicas (or autoscaling.maxReplicas)
+may run: (dict "ctx" $model "set" $set) with $model a scope of skiff.models and $set one of its
+skiff.workerSets. */}}
 {{- define "skiff.natsSetUsers" -}}
 {{- $users := list }}
 {{- $a := .set.autoscaling }}
 {{- range $i := until (int (ternary $a.maxReplicas .set.replicas $a.enabled)) }}
-{{- $users = append $users (printf "%s-%s-%d" (include "skiff.fullname" $.ctx) $.set.component $i) }}
+{{- $users = append $users (printf "%s-%s-%d" $.ctx.Model.name $.set.component $i) }}
 {{- end }}
 {{- join " " $users }}
 {{- end }}
 
-{{/* The NATS users of every worker pod of every set, space-separated. */}}
+{{/* The NATS users of every worker pod of every set of every model, space-separated. */}}
 {{- define "skiff.natsWorkerUsers" -}}
 {{- $users := list }}
-{{- range $set := include "skiff.workerSets" . | fromJsonArray }}
-{{- $users = concat $users (compact (splitList " " (include "skiff.natsSetUsers" (dict "ctx" $ "set" $set)))) }}
+{{- $models := dict }}
+{{- $_ := include "skiff.models" (dict "ctx" . "into" $models) }}
+{{- range $model := $models.models }}
+{{- range $set := include "skiff.workerSets" $model | fromJsonArray }}
+{{- $users = concat $users (compact (splitList " " (include "skiff.natsSetUsers" (dict "ctx" $model "set" $set)))) }}
+{{- end }}
 {{- end }}
 {{- join " " $users }}
 {{- end }}

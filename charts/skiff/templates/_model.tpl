@@ -1,44 +1,49 @@
-{{/* The workers' model storage (model.source) as a pod volume named "model"; nothing for the
-embedded model. */}}
+{{/* A model's (a scope of skiff.models) worker storage (model.source) as a pod volume named
+"model"; nothing for the embedded model. */}}
 {{- define "skiff.modelVolume" -}}
 {{- $m := .Values.model }}
+{{- $key := .Model.key }}
 {{- if eq $m.source "existingClaim" }}
 - name: model
   persistentVolumeClaim:
-    claimName: {{ required "model.existingClaim is required when model.source is existingClaim" $m.existingClaim }}
+    claimName: {{ required (printf "%smodel.existingClaim is required when model.source is existingClaim" $key) $m.existingClaim }}
 {{- else if eq $m.source "pvc" }}
 - name: model
   persistentVolumeClaim:
-    claimName: {{ include "skiff.fullname" . }}-model
+    claimName: {{ .Model.name }}-model
 {{- else if eq $m.source "hostPath" }}
 - name: model
   hostPath:
-    path: {{ required "model.hostPath.path is required when model.source is hostPath" $m.hostPath.path }}
+    path: {{ required (printf "%smodel.hostPath.path is required when model.source is hostPath" $key) $m.hostPath.path }}
     type: {{ $m.hostPath.type }}
 {{- else if eq $m.source "volume" }}
 - name: model
-  {{- toYaml $m.volume | nindent 2 }}
+  {{- toYaml (required (printf "%smodel.volume is required when model.source is volume" $key) ($m.volume | default nil)) | nindent 2 }}
 {{- end }}
 {{- end }}
 
-{{/* Where the gateways' tokenizer files come from: "volume" (gateway.tokenizer.volume),
-"image" (the embedded model's, in the gateway image) or "download" (model.download's repo). */}}
+{{/* Where the gateways' tokenizer files of a model (a scope of skiff.models) come from:
+"volume" (gateway.tokenizer.volume; a `models` entry's `tokenizer`), "image" (the embedded
+model's, in the gateway image) or "download" (model.download's repo). */}}
 {{- define "skiff.tokenizerSource" -}}
 {{- if .Values.gateway.tokenizer.volume }}volume
 {{- else if eq .Values.model.source "embedded" }}image
 {{- else if .Values.model.download.enabled }}download
 {{- else }}
-{{- fail "gateway.tokenizer.volume is required for a model that is neither embedded nor downloaded (model.download): the gateways do not mount the workers' model storage" }}
+{{- $where := ternary "gateway.tokenizer" (printf "%stokenizer" .Model.key) (not .Model.id) }}
+{{- fail (printf "%s.volume is required for a model that is neither embedded nor downloaded (%smodel.download): the gateways do not mount the workers' model storage" $where .Model.key) }}
 {{- end }}
 {{- end }}
 
-{{/* Init container that downloads model.download.repo at its revision into `dir` of the
-volume `volume` (mounted at `mountPath`), skipped when a marker file in `dir` names the same
-repo and revision: (dict "ctx" $ "image" .Values.worker.image "volume" "model"
-"mountPath" "/models" "dir" "/models/Qwen3-8B" "include" (list "*.json")). */}}
+{{/* Init container (named `name`, default download-model) that downloads model.download.repo
+at its revision into `dir` of the volume `volume` (mounted at `mountPath`), skipped when a
+marker file in `dir` names the same repo and revision: (dict "ctx" $model "image"
+.Values.worker.image "volume" "model" "mountPath" "/models" "dir" "/models/Qwen3-8B" "include"
+(list "*.json")) with $model a scope of skiff.models. */}}
 {{- define "skiff.downloadModel" -}}
 {{- $d := .ctx.Values.model.download }}
-- name: download-model
+{{- $key := .ctx.Model.key }}
+- name: {{ .name | default "download-model" }}
   image: {{ include "skiff.image" (dict "ctx" .ctx "image" .image) }}
   imagePullPolicy: {{ .image.pullPolicy }}
   command:
@@ -55,8 +60,8 @@ repo and revision: (dict "ctx" $ "image" .Values.worker.image "volume" "model"
       else:
           snapshot_download(repo, revision=revision, local_dir=local_dir, allow_patterns=include)
           marker.write_text(done)
-    - {{ required "model.download.repo is required when model.download.enabled" $d.repo | quote }}
-    - {{ required "model.download.revision is required when model.download.enabled" $d.revision | quote }}
+    - {{ required (printf "%smodel.download.repo is required when model.download.enabled" $key) $d.repo | quote }}
+    - {{ required (printf "%smodel.download.revision is required when model.download.enabled" $key) $d.revision | quote }}
     - {{ .dir | quote }}
     {{- range .include }}
     - {{ . | quote }}
