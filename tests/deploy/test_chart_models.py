@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from services.gateway.config import GatewayConfig
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.main import build_parser as scheduler_parser
 from services.worker.config import RunnerConfig, WorkerServiceConfig
@@ -491,6 +492,12 @@ def test_the_gateway_learns_of_every_other_model_and_mounts_its_tokenizer() -> N
             "scheduler_shards": 1,
             "max_model_len": 8192,
         },
+    ]
+    gateway = env_of(find(docs, "Deployment", "skiff-gateway"))
+    routes = GatewayConfig(extra_models=gateway["SKIFF_EXTRA_MODELS"]).models  # as it parses it
+    assert [(r.name, r.subject_prefix, r.scheduler_shards) for r in routes[1:]] == [
+        ("Qwen3-8B", "skiff.models.qwen", 2),
+        ("small", "skiff.models.small", 1),
     ]
     pod = pod_spec(find(docs, "Deployment", "skiff-gateway"))
     (c,) = pod["containers"]
