@@ -52,6 +52,7 @@ using skiff_cpu::WeightFormat;
 
 constexpr int64_t kTokensPerChunk = 64;  // rows of x kept in cache while the weight streams
 constexpr int64_t kLoRAColumns = 64;     // output columns of one LoRA expand work item
+constexpr int64_t kLoRARows = 32;        // tokens of one LoRA shrink work item
 
 bool is_fp32_cpu(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat;
@@ -222,8 +223,8 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
 
 // y [T, N] += lora_b[s] [N, R] @ (lora_a[s] [R, K] @ x[t]) for each token t of an adapter slot
 // s = slots[t] (-1: none). Each slot's tokens are gathered and multiplied by linear_rows (its
-// rank R and K multiples of 16): first the shrink of every slot, then the expand in chunks of
-// output columns, spread over the threads.
+// rank R and K multiples of 16): first the shrink of every slot in chunks of tokens, then the
+// expand in chunks of output columns, each spread over the threads.
 void add_lora_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
                    const at::Tensor& lora_b, const at::Tensor& slots) {
   const at::Tensor& out = y;
@@ -252,17 +253,22 @@ void add_lora_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
   const float *xs = x.data_ptr<float>(), *as = lora_a.data_ptr<float>();
   const float* bs = lora_b.data_ptr<float>();
   std::vector<std::vector<float>> shrunk(G), expanded(G);  // [m, R], [m, N] per used slot
-  at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> gathered;
-    for (int64_t g = begin; g < end; ++g) {
+  std::vector<std::pair<int64_t, int64_t>> pieces;  // (slot group, first row): the shrink's work
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t m = static_cast<int64_t>(rows[used[g]].size());
+    shrunk[g].resize(m * R);
+    expanded[g].resize(m * N);
+    for (int64_t i = 0; i < m; i += kLoRARows) pieces.emplace_back(g, i);
+  }
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> gathered(kLoRARows * K);
+    for (int64_t p = begin; p < end; ++p) {
+      const auto [g, i0] = pieces[p];
       const auto& r = rows[used[g]];
-      const int64_t m = static_cast<int64_t>(r.size());
-      gathered.resize(m * K);
-      for (int64_t i = 0; i < m; ++i) std::copy_n(xs + r[i] * K, K, gathered.data() + i * K);
-      shrunk[g].resize(m * R);
-      expanded[g].resize(m * N);
+      const int64_t m = std::min<int64_t>(kLoRARows, static_cast<int64_t>(r.size()) - i0);
+      for (int64_t i = 0; i < m; ++i) std::copy_n(xs + r[i0 + i] * K, K, gathered.data() + i * K);
       k.linear_rows(gathered.data(), as + used[g] * R * K, WeightFormat::kFloat32, nullptr,
-                    shrunk[g].data(), m, K, R, 0, R);
+                    shrunk[g].data() + i0 * R, m, K, R, 0, R);
     }
   });
   const int64_t chunks = (N + kLoRAColumns - 1) / kLoRAColumns;

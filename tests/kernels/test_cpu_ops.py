@@ -546,3 +546,41 @@ def test_ops_linear_routes_q8_panels_to_the_q8_kernel():
     torch.testing.assert_close(
         got.double(), q8_reference(x, stored, scale) + bias.double(), rtol=1e-5, atol=2e-5
     )
+
+
+# (tokens, in, out, rank, slots): an adapter's tokens over several 32-row shrink pieces, outputs
+# over several 64-column expand chunks and a partial one, a rank of 48 (three fused slices)
+LORA_SHAPES = [(1, 16, 24, 16, 1), (70, 64, 130, 16, 2), (45, 576, 960, 48, 3)]
+
+
+@pytest.mark.parametrize(("tokens", "in_features", "out_features", "rank", "slots"), LORA_SHAPES)
+def test_add_lora_matches_reference(tokens, in_features, out_features, rank, slots):
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, in_features, generator=gen)
+    y = torch.randn(tokens, out_features, generator=gen)
+    lora_a = torch.randn(slots, rank, in_features, generator=gen) / in_features**0.5
+    lora_b = torch.randn(slots, out_features, rank, generator=gen)
+    token_slots = torch.randint(-1, slots, (tokens,), generator=gen, dtype=torch.int32)
+    expected = torch_reference.add_lora(y.clone(), x, lora_a, lora_b, token_slots.long())
+    got = y.clone()
+    torch.ops.skiff_cpu.add_lora(got, x, lora_a, lora_b, token_slots)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    base = token_slots < 0
+    assert torch.equal(got[base], y[base])  # untouched bits
+    alone = y[:1].clone()  # a token's bits do not depend on the others
+    torch.ops.skiff_cpu.add_lora(alone, x[:1], lora_a, lora_b, token_slots[:1].contiguous())
+    assert torch.equal(alone[0], got[0])
+
+
+def test_add_lora_refuses_what_it_does_not_cover():
+    x, y = torch.randn(2, 16), torch.randn(2, 8)
+    a, b = torch.randn(1, 16, 16), torch.randn(1, 8, 16)
+    slots = torch.tensor([0, -1], dtype=torch.int32)
+    for bad, match in (
+        ((y, x, torch.randn(1, 8, 16), torch.randn(1, 8, 8), slots), "multiples of 16"),
+        ((y, x, a, b, torch.tensor([0, 1], dtype=torch.int32)), "out of range"),
+        ((y, x, a, b, slots.long()), "int32"),
+        ((y, torch.randn(2, 32), a, b, slots), "lora_a"),
+    ):
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.skiff_cpu.add_lora(*bad)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import cpu_ops
+from kernels.lora_mapping import NO_LORA, LoRAMapping
 from services.worker.attention import AttentionMetadata
 from services.worker.config import RunnerConfig
 from services.worker.model_runner import ModelRunner
@@ -121,7 +122,32 @@ def test_fused_decode_and_linear_op_compute_the_same_bits(
         check_step(runner, seq_lens, exact=True)
 
 
-def check_step(runner: ModelRunner, seq_lens: list[int], exact: bool = False) -> None:
+@torch.inference_mode()
+def test_fused_cpu_decode_adds_lora_like_the_eager_model(tiny_models):
+    """Decode steps with LoRA adapters stay on the fused path: each projection adds its tokens'
+    adapter updates (two adapters and base tokens in one step) as the eager model does."""
+    config = RunnerConfig(
+        model_dir=str(tiny_models["qwen2"]), num_blocks=64, max_model_len=256,
+        enable_lora=True, max_loras=2, max_lora_rank=16,
+    )  # fmt: skip
+    runner = ModelRunner(config)
+    assert runner.fused_cpu_decode is not None and runner.fused_cpu_decode.runs_lora
+    assert runner.lora is not None
+    gen = torch.Generator().manual_seed(3)
+    for module in runner.lora.weights.modules.values():
+        module.lora_a.copy_(torch.randn(module.lora_a.shape, generator=gen) * 0.1)
+        module.lora_b.copy_(torch.randn(module.lora_b.shape, generator=gen) * 0.1)
+    lora = LoRAMapping.build(torch.tensor([0, NO_LORA, 1, 0]))
+    with_lora = check_step(runner, [100, 5, 16, 17], lora=lora)
+    base = check_step(runner, [100, 5, 16, 17])  # the same inputs, no adapter
+    assert torch.equal(with_lora[1], base[1])  # the base token's bits
+    assert all(not torch.equal(with_lora[i], base[i]) for i in (0, 2, 3))
+
+
+def check_step(
+    runner: ModelRunner, seq_lens: list[int], exact: bool = False, lora: LoRAMapping | None = None
+) -> torch.Tensor:
+    """The fused path's hidden states of a decode step, checked against the eager model's."""
     gen = torch.Generator().manual_seed(len(seq_lens) * 1000 + sum(seq_lens))
     for cache in runner.kv_caches:  # earlier context: random keys and values
         cache.copy_(torch.randn(cache.shape, generator=gen))
@@ -133,17 +159,22 @@ def check_step(runner: ModelRunner, seq_lens: list[int], exact: bool = False) ->
     positions = meta.seq_lens.long() - 1
     before = [c.clone() for c in runner.kv_caches]
 
-    eager = runner.model(input_ids, positions, runner.kv_caches, meta)
+    if lora is None:
+        eager = runner.model(input_ids, positions, runner.kv_caches, meta)
+    else:
+        with runner.lora.step.use(lora):
+            eager = runner.model(input_ids, positions, runner.kv_caches, meta)
     eager_caches = [c.clone() for c in runner.kv_caches]
     for cache, saved in zip(runner.kv_caches, before, strict=True):
         cache.copy_(saved)
     meta = decode_meta(block_table, seq_lens)
-    fused = runner.fused_cpu_decode.forward(input_ids, positions, meta)
+    fused = runner.fused_cpu_decode.forward(input_ids, positions, meta, lora)
 
     tolerance = 0.0 if exact else 1e-5
     torch.testing.assert_close(fused, eager, rtol=tolerance, atol=tolerance)
     for got, want in zip(runner.kv_caches, eager_caches, strict=True):
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    return fused
 
 
 def test_fused_cpu_decode_off_runs_eager(tiny_models):
