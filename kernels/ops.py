@@ -75,18 +75,19 @@ def add_lora(
     mapping: LoRAMapping,
 ) -> torch.Tensor:
     """y [num_tokens, out] += each token's adapter update lora_b[s] @ lora_a[s] @ x[t], in
-    place; lora_a [num_slots, rank, in], lora_b [num_slots, out, rank]; tokens without an
+    place; lora_a [num_slots, rank, in], lora_b [num_slots, out, rank], or on the CPU its
+    panels [num_slots, ceil(out / 16), rank, 16] (`cpu_lora_panels`); tokens without an
     adapter keep their bits. Triton (kernels/lora.py): one program per token, shrink then
     expand over mapping.token_lora_indices. Otherwise each adapter's tokens are multiplied
-    together (the C++ CPU op where ranks and inputs are multiples of 16), so a token's result
-    does not depend on which other adapters share the step."""
+    together (by the C++ CPU op with panels), so a token's result does not depend on which
+    other adapters share the step."""
     if use_triton(x):
         if not mapping.active:
             return y
         from kernels import lora as kernel
 
         return kernel.add_lora(y, x, lora_a, lora_b, mapping.token_lora_indices)
-    if use_cpu_ops(x) and cpu_lora_fits(lora_a) and y.is_contiguous():
+    if lora_b.dim() == 4:  # panels: the C++ op's
         torch.ops.skiff_cpu.add_lora(y, x.contiguous(), lora_a, lora_b, mapping.token_slots)
         return y
     for slot, rows in mapping.groups:
@@ -95,11 +96,13 @@ def add_lora(
     return y
 
 
-def cpu_lora_fits(lora_a: torch.Tensor) -> bool:
-    """`skiff_cpu::add_lora` covers these adapter weights (lora_a [slots, rank, in]): fp32,
-    rank and inputs in multiples of 16."""
-    rank, in_features = lora_a.shape[1:]
-    return lora_a.dtype == torch.float32 and rank % 16 == 0 and in_features % 16 == 0
+def cpu_lora_panels(device: torch.device, dtype: torch.dtype, in_features: int) -> bool:
+    """Adapter weights of a projection with `in_features` inputs go to `skiff_cpu::add_lora`
+    (their lora_b in panels, `cpu_ops.pack_panels`): fp32 on the CPU with the C++ ops, inputs
+    in multiples of 16."""
+    return (
+        device.type == "cpu" and dtype == torch.float32 and in_features % 16 == 0 and cpu_ops.load()
+    )
 
 
 def rms_norm(

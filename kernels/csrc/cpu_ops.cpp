@@ -19,9 +19,10 @@
 //   rotary, KV-cache write, paged attention read straight from the cache through the block
 //   table, output projection, residual add + RMSNorm, gate/up projection, SiLU-and-mul, down
 //   projection; with LoRA adapters, each projection adds its tokens' adapter updates;
-// - add_lora(y, x, lora_a, lora_b, slots): y += each token's adapter update
-//   lora_b[s] @ (lora_a[s] @ x[t]), s = slots[t] (-1: none), the tokens of one adapter
-//   multiplied together with the linear kernel (a token's bits do not depend on the others);
+// - add_lora(y, x, lora_a, lora_b_panels, slots): y += each token's adapter update
+//   lora_b[s] @ (lora_a[s] @ x[t]), s = slots[t] (-1: none), lora_b in panels of 16 outputs;
+//   the tokens of one adapter multiplied together with the linear kernels (a token's bits do
+//   not depend on the others);
 // - paged_attention(...): causal attention of a step's tokens (decode and prefill chunks)
 //   against the paged cache, read in place through the block table: a decode token reads its
 //   context once for its query heads, a prefill chunk once per tile of its tokens;
@@ -51,7 +52,7 @@ using skiff_cpu::kQ8Quad;
 using skiff_cpu::WeightFormat;
 
 constexpr int64_t kTokensPerChunk = 64;  // rows of x kept in cache while the weight streams
-constexpr int64_t kLoRAColumns = 64;     // output columns of one LoRA expand work item
+constexpr int64_t kLoRAPanels = 4;       // output panels of one LoRA expand work item
 constexpr int64_t kLoRARows = 32;        // tokens of one LoRA shrink work item
 
 bool is_fp32_cpu(const at::Tensor& t) {
@@ -222,9 +223,10 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
 }
 
 // y [T, N] += lora_b[s] [N, R] @ (lora_a[s] [R, K] @ x[t]) for each token t of an adapter slot
-// s = slots[t] (-1: none). Each slot's tokens are gathered and multiplied by linear_rows (its
-// rank R and K multiples of 16): first the shrink of every slot in chunks of tokens, then the
-// expand in chunks of output columns, each spread over the threads.
+// s = slots[t] (-1: none), lora_b as panels [S, ceil(N / 16), R, 16] (pack_panels per slot).
+// Each slot's tokens are gathered; the shrink runs linear_rows (K a multiple of 16) in
+// pieces of tokens, the expand the panel kernel (broadcast x, no horizontal sums over the
+// short R) in chunks of panels; each spread over the threads.
 void add_lora_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
                    const at::Tensor& lora_b, const at::Tensor& slots) {
   const at::Tensor& out = y;
@@ -234,11 +236,12 @@ void add_lora_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
                   slots.size(0) == x.size(0),
               "add_lora: slots are int32, one per token");
   const int64_t num_slots = lora_a.size(0), R = lora_a.size(1), K = lora_a.size(2);
-  const int64_t N = lora_b.size(1);
+  const int64_t N = y.size(1), num_panels = (N + kPanel - 1) / kPanel;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && y.dim() == 2 && y.size(0) == x.size(0) &&
-                  y.size(1) == N && lora_b.size(0) == num_slots && lora_b.size(2) == R,
-              "add_lora: y [T, N], x [T, K], lora_a [S, R, K], lora_b [S, N, R]");
-  TORCH_CHECK(K % 16 == 0 && R % 16 == 0, "add_lora: K and the rank must be multiples of 16");
+                  lora_b.dim() == 4 && lora_b.size(0) == num_slots &&
+                  lora_b.size(1) == num_panels && lora_b.size(2) == R && lora_b.size(3) == kPanel,
+              "add_lora: y [T, N], x [T, K], lora_a [S, R, K], lora_b [S, ceil(N / 16), R, 16]");
+  TORCH_CHECK(K % 16 == 0, "add_lora: the input size must be a multiple of 16");
   const int32_t* slot_of = slots.data_ptr<int32_t>();
   std::vector<std::vector<int64_t>> rows(num_slots);
   for (int64_t t = 0; t < x.size(0); ++t) {
@@ -271,17 +274,18 @@ void add_lora_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
                     shrunk[g].data() + i0 * R, m, K, R, 0, R);
     }
   });
-  const int64_t chunks = (N + kLoRAColumns - 1) / kLoRAColumns;
+  const int64_t chunks = (num_panels + kLoRAPanels - 1) / kLoRAPanels;
   float* ys = y.data_ptr<float>();
   at::parallel_for(0, G * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t g = i / chunks, n0 = (i % chunks) * kLoRAColumns;
-      const int64_t n1 = std::min(N, n0 + kLoRAColumns);
+      const int64_t g = i / chunks, p0 = (i % chunks) * kLoRAPanels;
+      const int64_t p1 = std::min(num_panels, p0 + kLoRAPanels);
+      const int64_t n0 = p0 * kPanel, n1 = std::min(N, p1 * kPanel);
       const auto& r = rows[used[g]];
       const int64_t m = static_cast<int64_t>(r.size());
       float* update = expanded[g].data();
-      k.linear_rows(shrunk[g].data(), bs + used[g] * N * R, WeightFormat::kFloat32, nullptr,
-                    update, m, R, N, n0, n1);
+      k.linear_panels(shrunk[g].data(), bs + used[g] * num_panels * R * kPanel,
+                      WeightFormat::kFloat32, nullptr, update, m, R, N, p0, p1);
       for (int64_t j = 0; j < m; ++j)
         for (int64_t n = n0; n < n1; ++n) ys[r[j] * N + n] += update[j * N + n];
     }
@@ -480,7 +484,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const std::optional<at::Tensor>& gate_up_scale,
     const std::optional<at::Tensor>& down_scale,
     double eps, double scale, int64_t num_heads, int64_t block_size,
-    at::TensorList lora,  // [] or 4 x (lora_a [S, R, K], lora_b [S, N, R])
+    at::TensorList lora,  // [] or 4 x (lora_a [S, R, K], lora_b panels [S, N / 16, R, 16])
     const std::optional<at::Tensor>& lora_slots) {  // [B] int32: each token's slot, -1: none
   TORCH_CHECK(*skiff_cpu::isa(), "decode_layer needs AVX2 or AVX-512");
   TORCH_CHECK(lora.empty() || (lora.size() == 8 && lora_slots.has_value()),
@@ -570,7 +574,9 @@ TORCH_LIBRARY(skiff_cpu, m) {
       "Tensor down_weight, Tensor? qkv_scale, Tensor? o_scale, Tensor? gate_up_scale, "
       "Tensor? down_scale, float eps, float scale, int num_heads, int block_size, "
       "Tensor[] lora, Tensor? lora_slots) -> (Tensor, Tensor)");
-  m.def("add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor slots) -> ()");
+  m.def(
+      "add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b_panels, Tensor slots) -> "
+      "()");
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor block_table, float scale, "

@@ -17,7 +17,6 @@ import torch
 
 from kernels import cpu_ops
 from kernels.lora_mapping import LoRAMapping
-from kernels.ops import cpu_lora_fits
 from services.worker.attention import AttentionMetadata
 from services.worker.lora.weights import MODULE_ATTR
 from services.worker.models.decoder import DecoderForCausalLM, DecoderLayer
@@ -41,8 +40,9 @@ class FusedCpuDecode:
 
     @property
     def runs_lora(self) -> bool:
-        """Steps with adapters run here too: the model has adapter slots the op covers."""
-        return all(self.lora) and all(cpu_lora_fits(a) for layer in self.lora for a in layer[::2])
+        """Steps with adapters run here too: every projection has adapter slots with panels
+        (`ops.cpu_lora_panels`)."""
+        return all(self.lora) and all(b.dim() == 4 for layer in self.lora for b in layer[1::2])
 
     @staticmethod
     def supports(model: DecoderForCausalLM) -> bool:

@@ -549,8 +549,9 @@ def test_ops_linear_routes_q8_panels_to_the_q8_kernel():
 
 
 # (tokens, in, out, rank, slots): an adapter's tokens over several 32-row shrink pieces, outputs
-# over several 64-column expand chunks and a partial one, a rank of 48 (three fused slices)
-LORA_SHAPES = [(1, 16, 24, 16, 1), (70, 64, 130, 16, 2), (45, 576, 960, 48, 3)]
+# over several 4-panel expand chunks and a partial panel, ranks of 8, 16 and 48 (three fused
+# slices)
+LORA_SHAPES = [(1, 16, 24, 16, 1), (70, 64, 130, 8, 2), (45, 576, 960, 48, 3)]
 
 
 @pytest.mark.parametrize(("tokens", "in_features", "out_features", "rank", "slots"), LORA_SHAPES)
@@ -562,25 +563,27 @@ def test_add_lora_matches_reference(tokens, in_features, out_features, rank, slo
     lora_b = torch.randn(slots, out_features, rank, generator=gen)
     token_slots = torch.randint(-1, slots, (tokens,), generator=gen, dtype=torch.int32)
     expected = torch_reference.add_lora(y.clone(), x, lora_a, lora_b, token_slots.long())
+    panels = torch.stack([cpu_ops.pack_panels(b) for b in lora_b])  # [S, ceil(N / 16), R, 16]
     got = y.clone()
-    torch.ops.skiff_cpu.add_lora(got, x, lora_a, lora_b, token_slots)
+    torch.ops.skiff_cpu.add_lora(got, x, lora_a, panels, token_slots)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
     base = token_slots < 0
     assert torch.equal(got[base], y[base])  # untouched bits
     alone = y[:1].clone()  # a token's bits do not depend on the others
-    torch.ops.skiff_cpu.add_lora(alone, x[:1], lora_a, lora_b, token_slots[:1].contiguous())
+    torch.ops.skiff_cpu.add_lora(alone, x[:1], lora_a, panels, token_slots[:1].contiguous())
     assert torch.equal(alone[0], got[0])
 
 
 def test_add_lora_refuses_what_it_does_not_cover():
     x, y = torch.randn(2, 16), torch.randn(2, 8)
-    a, b = torch.randn(1, 16, 16), torch.randn(1, 8, 16)
+    a, b = torch.randn(1, 4, 16), torch.randn(1, 1, 4, 16)  # rank 4, one panel
     slots = torch.tensor([0, -1], dtype=torch.int32)
     for bad, match in (
-        ((y, x, torch.randn(1, 8, 16), torch.randn(1, 8, 8), slots), "multiples of 16"),
+        ((y, torch.randn(2, 8), torch.randn(1, 4, 8), b, slots), "multiple of 16"),
         ((y, x, a, b, torch.tensor([0, 1], dtype=torch.int32)), "out of range"),
         ((y, x, a, b, slots.long()), "int32"),
         ((y, torch.randn(2, 32), a, b, slots), "lora_a"),
+        ((y, x, a, torch.randn(1, 8, 4), slots), "panels|lora_b"),
     ):
         with pytest.raises(RuntimeError, match=match):
             torch.ops.skiff_cpu.add_lora(*bad)

@@ -4,7 +4,9 @@ adapters (`ops.add_lora`) when `LoRAStep.mapping` is set.
 
 A fused projection's slices share the pair: slice i's lora_a rows [i*R, (i+1)*R) and lora_b
 block [slice i's outputs, i*R:(i+1)*R), R = max_lora_rank, zero elsewhere; an adapter of a
-lower rank fills its first columns, one without the slice or layer leaves them zero."""
+lower rank fills its first columns, one without the slice or layer leaves them zero. On the CPU
+(fp32, the C++ ops) lora_b is kept as panels of 16 outputs, as `skiff_cpu::add_lora` reads
+it (`ops.cpu_lora_panels`)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from kernels import cpu_ops
 from kernels.lora_mapping import LoRAMapping
+from kernels.ops import cpu_lora_panels
 from services.worker.lora.checkpoint import LoRAAdapter
 from services.worker.lora.targets import TARGETS, ModuleShape, module_shapes
 from services.worker.model_config import ModelConfig
+from shared.arith import cdiv
 
 MODULE_ATTR = "lora"  # a projection's ModuleLoRA, which `layers.project` reads
 
@@ -58,7 +63,11 @@ class ModuleLoRA:
         self.lora_a = torch.zeros(
             max_loras, n * max_rank, shape.in_features, device=device, dtype=dtype
         )
-        self.lora_b = torch.zeros(max_loras, out, n * max_rank, device=device, dtype=dtype)
+        self.out_features = out
+        self.panels = cpu_lora_panels(device, dtype, shape.in_features)
+        width = n * max_rank
+        b_shape = (cdiv(out, cpu_ops.PANEL), width, cpu_ops.PANEL) if self.panels else (out, width)
+        self.lora_b = torch.zeros(max_loras, *b_shape, device=device, dtype=dtype)
         self.slice_starts = [sum(shape.slice_sizes[:i]) for i in range(n + 1)]
 
     def clear(self, slot: int) -> None:
@@ -70,7 +79,12 @@ class ModuleLoRA:
         rank, cols = a.shape[0], index * self.max_rank
         rows = slice(self.slice_starts[index], self.slice_starts[index + 1])
         self.lora_a[slot, cols : cols + rank] = a
-        self.lora_b[slot, rows, cols : cols + rank] = b
+        if not self.panels:
+            self.lora_b[slot, rows, cols : cols + rank] = b
+            return
+        dense = cpu_ops.unpack_panels(self.lora_b[slot], self.out_features).clone()
+        dense[rows, cols : cols + rank] = b  # [out, n R]
+        self.lora_b[slot] = cpu_ops.pack_panels(dense)
 
 
 class LoRAWeights:
