@@ -148,7 +148,7 @@ def test_runtime_load_mixed_batches_and_unload(lora_stack, client, adapters, smo
         ({"lora_name": "out", "lora_path": "/etc"}, 400, "outside the adapter root"),
         ({"lora_name": "esc", "lora_path": "../x"}, 400, "outside the adapter root"),
         ({"lora_name": "sql", "lora_path": "chat"}, 400, "already been loaded"),
-        ({"lora_name": MODEL, "lora_path": "chat"}, 400, "base model"),
+        ({"lora_name": MODEL, "lora_path": "chat"}, 400, "a served model's name"),
     ],
 )
 def test_bad_loads_are_refused_with_the_reason(lora_stack, client, body, status, reason):
