@@ -93,3 +93,14 @@ def test_a_request_needs_the_request_audience_and_type():
         claims.parse_request({**body, "aud": "other"})
     with pytest.raises(ValueError):
         claims.parse_request({**body, "nats": {**body["nats"], "type": "user"}})
+
+
+def test_keygen_writes_a_seed_and_its_issuer(tmp_path):
+    from services.auth_callout import keygen
+
+    keygen.main([str(tmp_path / "key")])
+    seed = (tmp_path / "key" / "seed").read_text()
+    assert (tmp_path / "key" / "seed").stat().st_mode & 0o077 == 0
+    issuer = (tmp_path / "key" / "issuer").read_text()
+    assert seed.startswith("SA") and issuer == nats_jwt.public_key(nats_jwt.key_pair(seed))
+    assert issuer.startswith("A") and len(issuer) == 56
