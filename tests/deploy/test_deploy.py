@@ -183,11 +183,12 @@ TEMPLATE_SERVICES = {
     "gateway-deployment.yaml": ("gateway",),
     "scheduler-deployment.yaml": ("scheduler",),
     "worker-statefulset.yaml": ("worker",),
+    "auth-callout.yaml": ("auth_callout",),
 }
 
 
 def test_templates_set_only_env_vars_the_services_read():
-    read = {s: env_vars_read_by(s) for s in SERVICES}
+    read = {s: env_vars_read_by(s) for s in (*SERVICES, "auth_callout")}
     assert "SKIFF_MODEL_DIR" in read["gateway"] and "SKIFF_WORKER_ID" in read["worker"]
     assert "SKIFF_METRICS_PORT" in read["scheduler"]
     for path in template_files():
