@@ -1,5 +1,6 @@
 """The `skiff` command: `serve` runs a whole local stack; `gateway`, `scheduler` and `worker`
-run one service each (that is how the containers run them)."""
+run one service each (that is how the containers run them); `auth-callout` admits pods to NATS
+by their service-account tokens."""
 
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ def _print_log_tails(log_dir: str, lines: int = 15) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("serve", "gateway", "scheduler", "worker", "hash-key")
+    commands = ("serve", "gateway", "scheduler", "worker", "auth-callout", "hash-key")
     if not argv or argv[0] not in commands:
         print(
             f"usage: skiff {{{','.join(commands)}}} [options]  (skiff COMMAND --help)",
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         from services.gateway.main import main as run
     elif command == "scheduler":
         from services.scheduler.main import main as run
+    elif command == "auth-callout":
+        from services.auth_callout.main import main as run
     else:
         from services.worker.main import main as run
     run(rest)

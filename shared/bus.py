@@ -58,6 +58,7 @@ class ConnectOptions:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    token_file: str = ""  # the auth callout's token, read at every (re)connection
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -66,6 +67,8 @@ class ConnectOptions:
             raise ValueError("a NATS client certificate needs the CA file (nats_tls_ca) too")
         if self.password and not self.user:
             raise ValueError("a NATS password needs a user (nats_user)")
+        if self.token_file and self.password:
+            raise ValueError("a NATS token file and a password exclude each other")
 
     @classmethod
     def from_config(cls, config: NatsClientConfig) -> ConnectOptions:
@@ -76,27 +79,51 @@ class ConnectOptions:
                 password = Path(config.nats_password_file).read_text().strip()
             except OSError as e:
                 raise ValueError(f"cannot read the NATS password file: {e}") from None
+        if config.nats_token_file:
+            read_token(config.nats_token_file)  # fails at the start, not at each reconnection
         return cls(
             config.nats_user,
             password,
             config.nats_tls_ca,
             config.nats_tls_cert,
             config.nats_tls_key,
+            config.nats_token_file,
         )
 
     def nats_kwargs(self) -> dict[str, object]:
         """Keyword arguments of `nats.connect`."""
         kwargs: dict[str, object] = {}
         if self.user:
-            kwargs.update(
-                user=self.user, password=self.password, inbox_prefix=inbox_prefix(self.user)
-            )
+            kwargs["inbox_prefix"] = inbox_prefix(self.user)
+        if self.token_file:
+            kwargs["token"] = lambda: _current_token(self.token_file)
+        elif self.user:
+            kwargs.update(user=self.user, password=self.password)
         if self.tls_ca:
             context = ssl.create_default_context(cafile=self.tls_ca)
             if self.tls_cert:
                 context.load_cert_chain(self.tls_cert, self.tls_key)
             kwargs["tls"] = context
         return kwargs
+
+
+def read_token(path: str) -> str:
+    """The service-account token in `path`; ValueError naming the file otherwise."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the NATS token file (nats_token_file): {e}") from None
+    if not token:
+        raise ValueError(f"the NATS token file {path} is empty (nats_token_file)")
+    return token
+
+
+def _current_token(path: str) -> str:
+    try:
+        return read_token(path)
+    except ValueError as e:
+        log.warning("%s", e)  # the server refuses the connection; the next try reads again
+        return ""
 
 
 async def connect(

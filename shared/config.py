@@ -96,12 +96,22 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class NatsClientConfig:
     """How a service reaches NATS: URL, user and TLS (every service's config extends this).
-    The password comes from `nats_password_file`, else from SKIFF_NATS_PASSWORD, never a flag."""
+    The password comes from `nats_password_file`, else from SKIFF_NATS_PASSWORD, never a flag;
+    behind the auth callout a service presents its service-account token instead."""
 
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")
-    nats_user: str = setting("", "NATS user name (empty: connect without credentials)")
+    nats_user: str = setting(
+        "",
+        "NATS user name (empty: connect without credentials); with nats_token_file, the name "
+        "the auth callout gives this pod (its pod name), which names its reply inboxes",
+    )
     nats_password_file: str = setting(
         "", "file holding the NATS user's password (else SKIFF_NATS_PASSWORD)"
+    )
+    nats_token_file: str = setting(
+        "",
+        "file holding this pod's service-account token for the NATS auth callout (a projected "
+        "token with the NATS audience; read again at every reconnection, as it rotates)",
     )
     nats_tls_ca: str = setting("", "CA file that signed the NATS server's certificate: use TLS")
     nats_tls_cert: str = setting("", "client certificate for NATS TLS (with nats_tls_key)")

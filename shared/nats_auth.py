@@ -10,6 +10,11 @@ model. Each user's request-reply inboxes are `_INBOX.<user>.*` (`inbox_prefix`),
 that user alone; a scheduler may answer requests (`allow_responses`) without publishing on
 anyone's inbox.
 
+A gateway user may be scoped to its own gateway id (`NatsUser.gateway_id`): it then reads
+only its own outputs. Instead of static users, nats-server may hand authentication to `skiff
+auth-callout` (`AuthCallout`), which admits each pod with the permissions of its role and own
+id computed here; only `admin` stays a static user then.
+
 `python -m shared.nats_auth` writes the configuration for a nats-server of its own (the Helm
 chart runs it in an init container); `Stack.start_nats` calls `server_config` directly.
 """
@@ -31,6 +36,9 @@ from shared.subjects import SUBJECT_TOKEN, Subjects, shard_prefixes, worker_pref
 ADMIN, GATEWAY, SCHEDULER, WORKER = "admin", "gateway", "scheduler", "worker"
 ROLES = (ADMIN, GATEWAY, SCHEDULER, WORKER)
 ROUTE_USER = "route"  # the cluster routes' user (not a client user: routes authorize apart)
+CALLOUT_USER = "auth-callout"  # `skiff auth-callout`'s own user, in AUTH_ACCOUNT
+AUTH_ACCOUNT = "AUTH"  # the callout's account
+CLIENT_ACCOUNT = "SKIFF"  # the account of every client the callout admits, and of `admin`
 
 
 def inbox_prefix(user: str) -> str:
@@ -51,6 +59,7 @@ class NatsUser:
     role: str
     worker_ids: tuple[str, ...] = ()
     prefix: str = ""  # a worker's model's subject prefix ("": the first model's)
+    gateway_id: str = ""  # a gateway scoped to its own outputs ("": every gateway's)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -60,6 +69,12 @@ class NatsUser:
                 raise ValueError(f"user names and worker ids must match [A-Za-z0-9_-]+: {token!r}")
         if (self.role == WORKER) != bool(self.worker_ids):
             raise ValueError(f"user {self.name!r}: worker ids belong to (and only to) workers")
+        if self.gateway_id and (
+            self.role != GATEWAY or not SUBJECT_TOKEN.fullmatch(self.gateway_id)
+        ):
+            raise ValueError(
+                f"user {self.name!r}: a gateway id belongs to a gateway, [A-Za-z0-9_-]+"
+            )
 
 
 @dataclass(frozen=True)
@@ -114,7 +129,13 @@ def _service_permissions(user: NatsUser, model: ModelSubjects) -> Permissions:
             publish=_unique(
                 *(x for s in shards for x in (s.submit, s.abort, s.lora_adapters)), *gateway_beats
             ),
-            subscribe=_unique(*(x for s in shards for x in (s.output("*"), s.scheduler_heartbeat))),
+            subscribe=_unique(
+                *(
+                    x
+                    for s in shards
+                    for x in (s.output(user.gateway_id or "*"), s.scheduler_heartbeat)
+                )
+            ),
         )
     return Permissions(
         publish=_unique(
@@ -242,6 +263,39 @@ class Cluster:
         return f"cluster {json.dumps(cluster, indent=2)}\n"
 
 
+@dataclass(frozen=True)
+class AuthCallout:
+    """nats-server delegating authentication to `skiff auth-callout` (NATS auth callout): the
+    callout's user answers `$SYS.REQ.USER.AUTH` with user JWTs signed by the account nkey
+    whose public key is `issuer`; the users it admits land in CLIENT_ACCOUNT, beside the static
+    `admin` (operators and tests), which skips the callout as the callout's own user does."""
+
+    issuer: str
+    callout_password: str
+    admin_password: str
+
+    def __post_init__(self) -> None:
+        if not (self.issuer.startswith("A") and len(self.issuer) == 56):
+            raise ValueError(
+                f"the auth callout issuer must be an account public nkey (A...): {self.issuer!r}"
+            )
+
+    def block(self) -> str:
+        accounts = {
+            AUTH_ACCOUNT: {"users": [{"user": CALLOUT_USER, "password": self.callout_password}]},
+            CLIENT_ACCOUNT: {"users": [{"user": ADMIN, "password": self.admin_password}]},
+        }
+        callout = {
+            "issuer": self.issuer,
+            "auth_users": [CALLOUT_USER, ADMIN],
+            "account": AUTH_ACCOUNT,
+        }
+        return (
+            f"accounts {json.dumps(accounts, indent=2)}\n"
+            f"authorization {json.dumps({'auth_callout': callout}, indent=2)}\n"
+        )
+
+
 def server_config(
     users: list[NatsUser] | None,
     prefix: str,
@@ -251,10 +305,14 @@ def server_config(
     cluster: Cluster | None = None,
     max_payload: int | None = None,
     models: Sequence[ModelSubjects] = (),
+    callout: AuthCallout | None = None,
 ) -> str:
     """A nats-server configuration file (listen address and port stay on its command line).
     With `tls`, the server refuses clients that do not speak TLS; `models`: those served on
-    prefixes of their own beside the first (`permissions`)."""
+    prefixes of their own beside the first (`permissions`); `callout` instead of `users`:
+    clients authenticate through the auth callout."""
+    if callout is not None and users is not None:
+        raise ValueError("static users and the auth callout exclude each other")
     parts = []
     if max_payload is not None:
         parts.append(f"max_payload: {max_payload}\n")
@@ -264,6 +322,8 @@ def server_config(
         parts.append(cluster.block())
     if users is not None:
         parts.append(authorization_block(users, prefix, num_shards, models))
+    if callout is not None:
+        parts.append(callout.block())
     return "".join(parts)
 
 
@@ -282,7 +342,7 @@ def _worker_user(spec: str, password_dir: Path) -> NatsUser:
     return NatsUser(name, _password(password_dir, name), WORKER, worker_ids, prefix)
 
 
-def _model_subjects(spec: str) -> ModelSubjects:
+def model_subjects(spec: str) -> ModelSubjects:
     """`PREFIX[:SHARDS]`."""
     prefix, _, shards = spec.partition(":")
     return ModelSubjects(prefix, int(shards) if shards else 1)
@@ -319,6 +379,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar="PREFIX[:SHARDS]",
         help="another model served on its own subject prefix (and shard count); repeatable",
     )
+    p.add_argument(
+        "--auth-callout-issuer",
+        default="",
+        metavar="ACCOUNT_NKEY",
+        help="authenticate clients through `skiff auth-callout`, whose signing key has this "
+        f"public nkey; --password-dir then holds only {ADMIN!r} and {CALLOUT_USER!r}",
+    )
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-ca", default="", help="verify client certificates with this CA")
@@ -342,16 +409,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    if args.worker and args.password_dir is None:
-        p.error("--worker needs --password-dir")
+    if (args.worker or args.auth_callout_issuer) and args.password_dir is None:
+        p.error("--worker and --auth-callout-issuer need --password-dir")
+    if args.worker and args.auth_callout_issuer:
+        p.error("with --auth-callout-issuer the callout admits the workers: no --worker")
     routing = args.cluster_name or args.cluster_route or args.cluster_tls_ca
     if (routing or args.route_password_file) and not (args.cluster_name and args.cluster_route):
         p.error("a cluster needs --cluster-name and --cluster-route")
     if args.cluster_tls_ca and not args.tls_cert:
         p.error("--cluster-tls-ca needs --tls-cert and --tls-key")
     try:
-        users = None
-        if args.password_dir is not None:
+        users, callout = None, None
+        if args.auth_callout_issuer:
+            callout = AuthCallout(
+                args.auth_callout_issuer,
+                _password(args.password_dir, CALLOUT_USER),
+                _password(args.password_dir, ADMIN),
+            )
+        elif args.password_dir is not None:
             users = [
                 NatsUser(r, _password(args.password_dir, r), r) for r in (ADMIN, GATEWAY, SCHEDULER)
             ]
@@ -374,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
             cluster = Cluster(
                 args.cluster_name, tuple(args.cluster_route), tls=route_tls, password=password
             )
-        models = [_model_subjects(spec) for spec in args.model]
+        models = [model_subjects(spec) for spec in args.model]
         text = server_config(
             users,
             args.subject_prefix,
@@ -382,6 +457,7 @@ def main(argv: list[str] | None = None) -> None:
             tls=tls,
             cluster=cluster,
             models=models,
+            callout=callout,
         )
     except (OSError, ValueError) as exc:
         p.error(str(exc))

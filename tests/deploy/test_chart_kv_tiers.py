@@ -232,6 +232,14 @@ def test_every_worker_setting_is_a_chart_value_or_left_out_on_purpose() -> None:
     for case in (CPU, SIM, GPU_PVC):
         for overrides in ((), optional):
             set_by_chart |= set(env_of(container(render(case, *overrides), *WORKER)))
+    callout = (  # a service-account token instead of a password (nats.authCallout)
+        'nats={"authCallout": {"enabled": true, "signingKeySecret": "k"}}',
+        *(
+            f'{role}={{"serviceAccount": {{"create": true}}}}'
+            for role in ("gateway", "scheduler", "worker")
+        ),
+    )
+    set_by_chart |= set(env_of(container(render(CPU, *callout), *WORKER)))
     assert not set(WORKER_NOT_IN_CHART) & set_by_chart, "set by the chart: drop it"
     assert set(WORKER_NOT_IN_CHART) <= read, "not a worker setting: drop it"
     missing = read - set_by_chart - set(WORKER_NOT_IN_CHART)

@@ -183,11 +183,12 @@ TEMPLATE_SERVICES = {
     "gateway-deployment.yaml": ("gateway",),
     "scheduler-deployment.yaml": ("scheduler",),
     "worker-statefulset.yaml": ("worker",),
+    "auth-callout.yaml": ("auth_callout",),
 }
 
 
 def test_templates_set_only_env_vars_the_services_read():
-    read = {s: env_vars_read_by(s) for s in SERVICES}
+    read = {s: env_vars_read_by(s) for s in (*SERVICES, "auth_callout")}
     assert "SKIFF_MODEL_DIR" in read["gateway"] and "SKIFF_WORKER_ID" in read["worker"]
     assert "SKIFF_METRICS_PORT" in read["scheduler"]
     for path in template_files():
@@ -238,6 +239,7 @@ PROVIDES = {
     "nats-py": {"nats"},
     "prometheus-client": {"prometheus_client"},
     "kubernetes": {"kubernetes"},
+    "nkeys": {"nkeys", "nacl"},
     "llguidance": {"llguidance"},
     "tokenizers": {"tokenizers"},
     "jinja2": {"jinja2", "markupsafe"},
@@ -293,17 +295,18 @@ def third_party_imports(entry: str) -> dict[str, str]:
 def test_slim_image_requirements_cover_the_service(service):
     reqs = requirement_lines(service)
     deps = project_dependencies() + extra_dependencies("otel")  # skiff[otel]: traces
-    if service == "scheduler":  # and the extra skiff[k8s], for leader election
+    if service == "scheduler":  # and the extra skiff[k8s]: leader election, the auth callout
         deps += extra_dependencies("k8s")
     assert set(reqs) <= set(deps), f"not as in pyproject.toml: {set(reqs) - set(deps)}"
     names = {re.split(r"[<>=!~\[ ]", r)[0].lower() for r in reqs}
     assert not names & {"torch", "triton", "transformers", "numpy", "safetensors"}
     provided = set().union(*(PROVIDES[n] for n in names))
-    missing = {
-        m: by
-        for m, by in third_party_imports(f"services.{service}.main").items()
-        if m not in provided
+    # the scheduler image also runs `skiff auth-callout`
+    entries = ["scheduler", "auth_callout"] if service == "scheduler" else [service]
+    imports = {
+        m: by for e in entries for m, by in third_party_imports(f"services.{e}.main").items()
     }
+    missing = {m: by for m, by in imports.items() if m not in provided}
     assert not missing, f"imports the {service} image lacks (module: imported by): {missing}"
     # `skiff <service>` runs services.cli first: its module-level imports must be stdlib only
     # (each command imports its service lazily).

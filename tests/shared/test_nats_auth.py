@@ -15,9 +15,11 @@ from services.worker.config import RunnerConfig
 from shared import bus
 from shared.nats_auth import (
     ADMIN,
+    CALLOUT_USER,
     GATEWAY,
     SCHEDULER,
     WORKER,
+    AuthCallout,
     ModelSubjects,
     NatsUser,
     ServerTls,
@@ -206,6 +208,51 @@ def test_the_command_writes_a_private_config_from_password_files(tmp_path):
         main(["--password-dir", str(tmp_path / "missing"), "--out", str(out)])
     main(["--tls-cert", "c.pem", "--tls-key", "k.pem", "--out", str(out)])  # TLS, no users
     assert out.read_text() == 'tls {"cert_file": "c.pem", "key_file": "k.pem"}\n'
+
+
+def test_a_gateway_scoped_to_its_id_reads_only_its_own_outputs():
+    gateway = NatsUser("g", "", GATEWAY, gateway_id="g")
+    perms = permissions(gateway, "p", 2)
+    unscoped = permissions(_user(GATEWAY, name="g"), "p", 2)
+    assert perms is not None and unscoped is not None
+    assert (
+        perms.subscribe == tuple(s.replace("out.*", "out.g") for s in unscoped.subscribe)
+        and "p.shard1.out.g" in perms.subscribe
+    )
+    assert perms.publish == unscoped.publish
+    with pytest.raises(ValueError, match="gateway id"):
+        NatsUser("s", "", SCHEDULER, gateway_id="g")
+    with pytest.raises(ValueError, match="gateway id"):
+        NatsUser("g", "", GATEWAY, gateway_id="*")  # a wildcard would widen it again
+
+
+def test_the_command_writes_an_auth_callout_config(tmp_path):
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    for user in (ADMIN, CALLOUT_USER):
+        (secrets / user).write_text(f"{user}-pw\n")
+    out = tmp_path / "nats.conf"
+    issuer = "A" + "B" * 55
+    main(["--password-dir", str(secrets), "--auth-callout-issuer", issuer, "--out", str(out)])
+    accounts, _, authorization = (
+        out.read_text().removeprefix("accounts ").partition("\nauthorization ")
+    )
+    assert json.loads(accounts) == {
+        "AUTH": {"users": [{"user": CALLOUT_USER, "password": "auth-callout-pw"}]},
+        "SKIFF": {"users": [{"user": ADMIN, "password": "admin-pw"}]},
+    }
+    assert json.loads(authorization) == {
+        "auth_callout": {"issuer": issuer, "auth_users": [CALLOUT_USER, ADMIN], "account": "AUTH"}
+    }
+    for wrong in (
+        ["--auth-callout-issuer", issuer],  # no --password-dir
+        ["--password-dir", str(secrets), "--auth-callout-issuer", "U" + "B" * 55],
+        ["--password-dir", str(secrets), "--auth-callout-issuer", issuer, "--worker", "w"],
+    ):
+        with pytest.raises(SystemExit):
+            main([*wrong, "--out", str(out)])
+    with pytest.raises(ValueError, match="exclude"):
+        server_config([_user(ADMIN)], "p", 1, callout=AuthCallout(issuer, "a", "b"))
 
 
 @pytest.fixture

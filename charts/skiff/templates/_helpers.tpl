@@ -207,7 +207,15 @@ skiff.workerSets. */}}
 
 {{/* A service's NATS user and CA: (dict "ctx" $ "user" "gateway"). */}}
 {{- define "skiff.natsClientEnv" -}}
-{{- if .ctx.Values.nats.auth.enabled }}
+{{- if .ctx.Values.nats.authCallout.enabled }}
+# the auth callout admits this pod by its service-account token and names its user by the pod
+- name: SKIFF_NATS_USER
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: SKIFF_NATS_TOKEN_FILE
+  value: /var/run/secrets/skiff/nats/token
+{{- else if .ctx.Values.nats.auth.enabled }}
 - name: SKIFF_NATS_USER
   value: {{ .user | quote }}
 - name: SKIFF_NATS_PASSWORD_FILE
@@ -220,7 +228,11 @@ skiff.workerSets. */}}
 {{- end }}
 
 {{- define "skiff.natsClientVolumeMounts" -}}
-{{- if .Values.nats.auth.enabled }}
+{{- if .Values.nats.authCallout.enabled }}
+- name: nats-token
+  mountPath: /var/run/secrets/skiff/nats
+  readOnly: true
+{{- else if .Values.nats.auth.enabled }}
 - name: nats-auth
   mountPath: /etc/skiff/nats-auth
   readOnly: true
@@ -236,7 +248,16 @@ skiff.workerSets. */}}
 worker set of 0 replicas): an empty volume, since a secret volume without items would hold
 every password. */}}
 {{- define "skiff.natsClientVolumes" -}}
-{{- if .ctx.Values.nats.auth.enabled }}
+{{- $callout := .ctx.Values.nats.authCallout }}
+{{- if $callout.enabled }}
+- name: nats-token  # the kubelet rotates it; the services read it again at each reconnection
+  projected:
+    sources:
+      - serviceAccountToken:
+          audience: {{ $callout.audience | quote }}
+          expirationSeconds: {{ int $callout.tokenExpirationSeconds }}
+          path: token
+{{- else if .ctx.Values.nats.auth.enabled }}
 - name: nats-auth
   {{- if .users }}
   secret:
