@@ -65,30 +65,10 @@ def create_app(
     new requests get 503 during shutdown (`app.state.models`, a `ServedModels`, holds every
     model's; its `draining` sets them all). `app.state.tenants` admits each tenant's requests.
     `extra`: the engine client and tokenizer of each of `config.extra_models`."""
-    routes = config.models
-    if len(extra) != len(routes) - 1:
-        raise ValueError(f"{len(routes) - 1} extra models need as many engines, got {len(extra)}")
     if tenants is None:
         tenants = tenants_of(config.api_key, config.api_keys_file)
     metrics = GatewayMetrics([t.name for t in tenants] or [ANONYMOUS])
-    models = ServedModels(
-        [
-            GatewayContext(
-                engine,
-                model_tokenizer,
-                route.name,
-                metrics,
-                configured_max_model_len=route.max_model_len,
-                model_root=route.model_dir,
-                tokenizer_concurrency=config.tokenizer_concurrency,
-                keepalive_interval=config.keepalive_interval,
-                tool_call_parser=config.tool_call_parser,
-            )
-            for route, (engine, model_tokenizer) in zip(
-                routes, [(engine_client, tokenizer), *extra], strict=True
-            )
-        ]
-    )
+    models = _served_models(config, [(engine_client, tokenizer), *extra], metrics)
     app = FastAPI(
         title="skiff gateway",
         version=_version(),
@@ -111,6 +91,34 @@ def create_app(
         app.add_middleware(TracingMiddleware)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)  # outermost
     return app
+
+
+def _served_models(
+    config: GatewayConfig,
+    engines: Sequence[tuple[EngineClient, Tokenizer]],
+    metrics: GatewayMetrics,
+) -> ServedModels:
+    """A `GatewayContext` per model of `config.models`, with its engine client and tokenizer."""
+    routes = config.models
+    if len(engines) != len(routes):
+        extra = len(routes) - 1
+        raise ValueError(f"{extra} extra models need as many engines, got {len(engines) - 1}")
+    return ServedModels(
+        [
+            GatewayContext(
+                engine,
+                tokenizer,
+                route.name,
+                metrics,
+                configured_max_model_len=route.max_model_len,
+                model_root=route.model_dir,
+                tokenizer_concurrency=config.tokenizer_concurrency,
+                keepalive_interval=config.keepalive_interval,
+                tool_call_parser=config.tool_call_parser,
+            )
+            for route, (engine, tokenizer) in zip(routes, engines, strict=True)
+        ]
+    )
 
 
 def _service_router(models: ServedModels, metrics: GatewayMetrics, tenants: Tenants) -> APIRouter:
