@@ -42,7 +42,7 @@ from shared import bus
 from shared.config import DEFAULT_SUBJECT_PREFIX, SchedulerConfig
 from shared.default_model import DEFAULT_MODEL_NAME
 from shared.sampling_params import SamplingParams
-from shared.subjects import Subjects, shard_prefixes
+from shared.subjects import ANY_WORKER, Subjects, shard_prefixes
 from shared.wire import (
     OutputBatch,
     SchedulerStats,
@@ -229,8 +229,8 @@ async def observe(nc: Client, window: Window, case: Case) -> None:
 
     for prefix in case.prefixes:
         s = Subjects(prefix)
-        await nc.subscribe(s.result, cb=on_result)
-        await nc.subscribe(s.plan("*"), cb=on_plan)
+        await nc.subscribe(s.result(ANY_WORKER), cb=on_result)
+        await nc.subscribe(s.plan(ANY_WORKER), cb=on_plan)
 
 
 class NatsLoad:

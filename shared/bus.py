@@ -192,6 +192,23 @@ async def subscribe(
     queue: str = "",
 ) -> Subscription:
     """Subscribe; `handler` sees whole, decoded messages of the current protocol version."""
+
+    async def on_message(_subject: str, message: M) -> None:
+        await handler(message)
+
+    return await subscribe_with_subject(nc, subject, msg_type, on_message, queue=queue)
+
+
+async def subscribe_with_subject(
+    nc: Client,
+    subject: str,
+    msg_type: type[M],
+    handler: Callable[[str, M], Awaitable[None]],
+    *,
+    queue: str = "",
+) -> Subscription:
+    """As `subscribe`, `handler` also seeing the subject each message came on (a wildcard
+    subscription's tokens name its sender)."""
     reassembler = Reassembler()
     typed = decoder(msg_type)
 
@@ -204,7 +221,7 @@ async def subscribe(
         except msgspec.DecodeError as e:
             log.warning("dropping a %s on %s: %s", msg_type.__name__, subject, e)
             return
-        await handler(message)
+        await handler(msg.subject, message)
 
     return await nc.subscribe(subject, queue=queue, cb=on_msg)
 

@@ -3,10 +3,11 @@
 routes).
 
 Roles: `admin` (operators and tests: everything), `gateway`, `scheduler` (every shard) and one
-`worker` user per worker process, allowed only its own workers' plans. A deployment serving
-several models has one subject prefix (and shard count) per model (`ModelSubjects`): the
-gateway and scheduler users get the subjects of every model, a worker user those of its own
-model. Each user's request-reply inboxes are `_INBOX.<user>.*` (`inbox_prefix`), readable by
+`worker` user per worker process, allowed only its own workers' plans and to publish only as
+its own workers (hello, heartbeat, goodbye and results on subjects of their ids). A deployment
+serving several models has one subject prefix (and shard count) per model (`ModelSubjects`):
+the gateway and scheduler users get the subjects of every model, a worker user those of its
+own model. Each user's request-reply inboxes are `_INBOX.<user>.*` (`inbox_prefix`), readable by
 that user alone; a scheduler may answer requests (`allow_responses`) without publishing on
 anyone's inbox.
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.config import DEFAULT_SUBJECT_PREFIX
-from shared.subjects import SUBJECT_TOKEN, Subjects, shard_prefixes, worker_prefix
+from shared.subjects import ANY_WORKER, SUBJECT_TOKEN, Subjects, shard_prefixes, worker_prefix
 
 ADMIN, GATEWAY, SCHEDULER, WORKER = "admin", "gateway", "scheduler", "worker"
 ROLES = (ADMIN, GATEWAY, SCHEDULER, WORKER)
@@ -153,10 +154,10 @@ def _service_permissions(user: NatsUser, model: ModelSubjects) -> Permissions:
                     s.submit,
                     s.abort,
                     s.lora_adapters,
-                    s.worker_hello,
-                    s.worker_heartbeat,
-                    s.worker_goodbye,
-                    s.result,
+                    s.worker_hello(ANY_WORKER),
+                    s.worker_heartbeat(ANY_WORKER),
+                    s.worker_goodbye(ANY_WORKER),
+                    s.result(ANY_WORKER),
                     s.scheduler_stats,
                 )
             ),
@@ -168,11 +169,16 @@ def _service_permissions(user: NatsUser, model: ModelSubjects) -> Permissions:
 def _worker_permissions(user: NatsUser, model: ModelSubjects) -> Permissions:
     own = [(Subjects(worker_prefix(model.prefix, w, model.num_shards)), w) for w in user.worker_ids]
     return Permissions(
-        publish=_unique(
+        publish=_unique(  # only as its own workers
             *(
                 x
-                for s, _ in own
-                for x in (s.worker_hello, s.worker_heartbeat, s.worker_goodbye, s.result)
+                for s, w in own
+                for x in (
+                    s.worker_hello(w),
+                    s.worker_heartbeat(w),
+                    s.worker_goodbye(w),
+                    s.result(w),
+                )
             )
         ),
         # its scheduler's heartbeats keep an idle worker on the current epoch

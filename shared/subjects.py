@@ -17,6 +17,7 @@ from shared.config import DEFAULT_SUBJECT_PREFIX
 SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 SUBJECT_PREFIX = re.compile(rf"{SUBJECT_TOKEN.pattern}(\.{SUBJECT_TOKEN.pattern})*")
 _TRAILING_NUMBER = re.compile(r"(\d+)$")
+ANY_WORKER = "*"  # the worker id token of a subscription to every worker's subjects
 
 
 def shard_prefixes(prefix: str, num_shards: int) -> list[str]:
@@ -40,6 +41,11 @@ def worker_shard(worker_id: str, num_shards: int) -> int:
 def worker_prefix(prefix: str, worker_id: str, num_shards: int) -> str:
     """The subject prefix a worker talks on: its shard's."""
     return shard_prefixes(prefix, num_shards)[worker_shard(worker_id, num_shards)]
+
+
+def sender(subject: str) -> str:
+    """The worker id a worker -> scheduler subject (`<prefix>.worker.<id>.<kind>`) names."""
+    return subject.rsplit(".", 2)[-2]
 
 
 @dataclass(frozen=True)
@@ -67,21 +73,19 @@ class Subjects:
     def lora_check(self, worker_id: str) -> str:  # scheduler -> worker, request-reply: LoRACheck
         return f"{self.prefix}.worker.{worker_id}.lora_check"
 
-    @property
-    def result(self) -> str:  # worker -> scheduler: ModelRunnerOutput
-        return f"{self.prefix}.worker.result"
+    # Worker -> scheduler, on subjects of the sender's own id (`ANY_WORKER`: the scheduler's
+    # wildcard), so NATS permissions let a worker speak only as itself.
+    def result(self, worker_id: str) -> str:  # ModelRunnerOutput
+        return f"{self.prefix}.worker.{worker_id}.result"
 
-    @property
-    def worker_hello(self) -> str:  # worker -> scheduler: WorkerHello
-        return f"{self.prefix}.worker.hello"
+    def worker_hello(self, worker_id: str) -> str:  # WorkerHello
+        return f"{self.prefix}.worker.{worker_id}.hello"
 
-    @property
-    def worker_heartbeat(self) -> str:  # worker -> scheduler: WorkerHello
-        return f"{self.prefix}.worker.heartbeat"
+    def worker_heartbeat(self, worker_id: str) -> str:  # WorkerHello
+        return f"{self.prefix}.worker.{worker_id}.heartbeat"
 
-    @property
-    def worker_goodbye(self) -> str:  # worker -> scheduler: WorkerGoodbye
-        return f"{self.prefix}.worker.goodbye"
+    def worker_goodbye(self, worker_id: str) -> str:  # WorkerGoodbye
+        return f"{self.prefix}.worker.{worker_id}.goodbye"
 
     @property
     def scheduler_heartbeat(self) -> str:  # scheduler -> all: SchedulerHeartbeat

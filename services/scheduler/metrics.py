@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.scheduler.handoff import OUTCOMES
+from services.scheduler.senders import WRONG_SENDER
 from shared.wire import WORKER_ROLES
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -164,6 +165,14 @@ class SchedulerMetrics:
             ["worker_id"],
             registry=r,
         )
+        self.worker_messages_dropped = Counter(
+            "skiff_worker_messages_dropped",
+            "Worker messages dropped, by reason: wrong_sender, the body names another worker "
+            "than the subject it came on (a worker publishes only as itself).",
+            ["reason"],
+            registry=r,
+        )
+        self.worker_messages_dropped.labels(WRONG_SENDER)
         self.orphans_aborted = Counter(
             "skiff_orphaned_requests_aborted",
             "Requests aborted because their gateway stopped sending heartbeats.",

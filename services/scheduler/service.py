@@ -27,6 +27,7 @@ from services.scheduler.placement import Placement
 from services.scheduler.probe import HealthProbe
 from services.scheduler.request import FinishReason, Request
 from services.scheduler.scheduler import RequestOutput
+from services.scheduler.senders import from_sender
 from services.scheduler.telemetry import Telemetry
 from services.scheduler.tracing import RequestTraces
 from services.scheduler.worker_driver import StepDeadline, WorkerDriver
@@ -34,7 +35,7 @@ from services.scheduler.worker_pool import WorkerHandle, WorkerPool
 from shared import bus, tracing
 from shared.config import SchedulerConfig
 from shared.epochs import new_epoch
-from shared.subjects import Subjects
+from shared.subjects import ANY_WORKER, Subjects
 from shared.tasks import BackgroundTasks
 from shared.wire import (
     AbortRequests,
@@ -109,10 +110,16 @@ class SchedulerService:
         )
         await bus.subscribe(nc, s.abort, AbortRequests, self._on_abort)
         await bus.serve(nc, s.lora_adapters, LoRAAdapterChange, self._on_lora_change)
-        await bus.subscribe(nc, s.worker_hello, WorkerHello, self._on_hello)
-        await bus.subscribe(nc, s.worker_heartbeat, WorkerHello, self._on_hello)
-        await bus.subscribe(nc, s.worker_goodbye, WorkerGoodbye, self._on_goodbye)
-        await bus.subscribe(nc, s.result, ModelRunnerOutput, self._on_result)
+        dropped = self.metrics.worker_messages_dropped
+        on_hello = from_sender(self._on_hello, dropped)
+        await bus.subscribe_with_subject(nc, s.worker_hello(ANY_WORKER), WorkerHello, on_hello)
+        await bus.subscribe_with_subject(nc, s.worker_heartbeat(ANY_WORKER), WorkerHello, on_hello)
+        await bus.subscribe_with_subject(
+            nc, s.worker_goodbye(ANY_WORKER), WorkerGoodbye, from_sender(self._on_goodbye, dropped)
+        )
+        await bus.subscribe_with_subject(
+            nc, s.result(ANY_WORKER), ModelRunnerOutput, from_sender(self._on_result, dropped)
+        )
         await bus.subscribe(nc, s.gateway_heartbeat, GatewayHeartbeat, self._on_gateway_heartbeat)
         await bus.serve(nc, s.scheduler_stats, SchedulerStatsRequest, self._on_stats)
         self._tasks.spawn(self._monitor(), "monitor")

@@ -227,7 +227,7 @@ class WorkerService:
         )
         lora_check = self.subjects.lora_check(self.config.worker_id)
         await bus.serve(self.nc, lora_check, LoRACheck, self._on_lora_check)
-        await bus.publish(self.nc, self.subjects.worker_hello, self.hello())
+        await bus.publish(self.nc, self.subjects.worker_hello(self.config.worker_id), self.hello())
         self._tasks.spawn(self._heartbeat(), "heartbeat")
         self._tasks.spawn(self._execute_loop(), "execute")
         log.info("worker %s up: %d KV blocks", self.config.worker_id, self.runner.num_blocks)
@@ -268,7 +268,7 @@ class WorkerService:
         self._tasks.cancel()
         if self.nc.is_connected:
             goodbye = WorkerGoodbye(worker_id=self.config.worker_id, instance_id=self.instance_id)
-            await bus.publish(self.nc, self.subjects.worker_goodbye, goodbye)
+            await bus.publish(self.nc, self.subjects.worker_goodbye(self.config.worker_id), goodbye)
             await self.nc.flush()
         log.info("worker %s said goodbye", self.config.worker_id)
         await self.stop()
@@ -337,7 +337,9 @@ class WorkerService:
                     self._traces.reset()
                 self._failed_session = session
                 self.instance_id = uuid.uuid4().hex
-                await bus.publish(self.nc, self.subjects.worker_hello, self.hello())
+                await bus.publish(
+                    self.nc, self.subjects.worker_hello(self.config.worker_id), self.hello()
+                )
                 continue
             self.step_id = -1
             if self._traces is not None:
@@ -347,7 +349,7 @@ class WorkerService:
             output.idle_s = idle_s
             num_reqs = len(plan.num_scheduled_tokens)
             self.watch.end(output.execute_s, count=num_reqs > 0)
-            await bus.publish(self.nc, self.subjects.result, output)
+            await bus.publish(self.nc, self.subjects.result(self.config.worker_id), output)
             if num_reqs:
                 self._observe(output.execute_s, plan)
 
@@ -369,4 +371,6 @@ class WorkerService:
         while True:
             await asyncio.sleep(self.config.heartbeat_interval)
             if self.nc.is_connected:
-                await bus.publish(self.nc, self.subjects.worker_heartbeat, self.hello())
+                await bus.publish(
+                    self.nc, self.subjects.worker_heartbeat(self.config.worker_id), self.hello()
+                )

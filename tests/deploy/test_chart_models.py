@@ -568,7 +568,7 @@ def test_nats_knows_every_models_subjects_and_workers(tmp_path: Path) -> None:
         for name in names:
             own = worker_prefix(prefix, name, shards[prefix])  # its shard's
             subjects = known[name]["permissions"]["publish"]["allow"]
-            assert Subjects(own).worker_hello in subjects
+            assert Subjects(own).worker_hello(name) in subjects
             assert all(s.startswith(f"{own}.") for s in subjects), name
             assert not [s for s in subjects if s.startswith("skiff.models.") != (prefix != "skiff")]
     gateway = known["gateway"]["permissions"]["publish"]["allow"]

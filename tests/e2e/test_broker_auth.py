@@ -164,10 +164,18 @@ def test_a_gateway_credential_can_neither_read_nor_pose_as_a_worker_or_scheduler
     auth_stack, reference
 ):
     """The four attacks with a gateway's credential, during a real stream."""
-    readable = (">", "skiff.>", S.plan("*"), S.submit, S.result, S.worker_hello, "_INBOX.>")
+    readable = (
+        ">",
+        "skiff.>",
+        S.plan("*"),
+        S.submit,
+        S.result("*"),
+        S.worker_hello("*"),
+        "_INBOX.>",
+    )
     forged = {
-        S.worker_hello: FAKE_HELLO,
-        S.worker_heartbeat: FAKE_HELLO,
+        S.worker_hello(FAKE_HELLO.worker_id): FAKE_HELLO,
+        S.worker_heartbeat(FAKE_HELLO.worker_id): FAKE_HELLO,
         S.scheduler_heartbeat: SchedulerHeartbeat(epoch="f" * 32, num_ready_workers=0),
         S.plan("worker-0"): BatchPlan(step_id=1, scheduler_epoch="f" * 32, worker_session="1"),
     }

@@ -79,7 +79,7 @@ class HeartbeatReplay:
         self.nc = await bus.connect(
             self.stack.nats_url, "test-heartbeat-replay", **self.stack.nats_options()
         )
-        subject = Subjects().worker_heartbeat
+        subject = Subjects().worker_heartbeat(self.worker_id)
         typed = decoder(WorkerHello)
 
         async def keep(msg) -> None:
@@ -98,7 +98,7 @@ class HeartbeatReplay:
 
     async def _replay(self, payload: bytes) -> None:
         while True:
-            await self.nc.publish(Subjects().worker_heartbeat, payload)
+            await self.nc.publish(Subjects().worker_heartbeat(self.worker_id), payload)
             await asyncio.sleep(0.5)
 
     async def __aexit__(self, *_exc) -> None:

@@ -71,10 +71,10 @@ def test_scheduler_permissions_answer_requests_without_an_inbox():
         "p.req.submit",
         "p.req.abort",
         "p.lora.adapters",
-        "p.worker.hello",
-        "p.worker.heartbeat",
-        "p.worker.goodbye",
-        "p.worker.result",
+        "p.worker.*.hello",
+        "p.worker.*.heartbeat",
+        "p.worker.*.goodbye",
+        "p.worker.*.result",
         "p.scheduler.stats",
         "p.gateway.heartbeat",
         "_INBOX.scheduler.>",
@@ -93,14 +93,14 @@ def test_a_worker_user_gets_only_its_own_workers_plans_on_their_shards():
         "p.shard1.scheduler.heartbeat",
     )
     assert perms.publish == (
-        "p.shard0.worker.hello",
-        "p.shard0.worker.heartbeat",
-        "p.shard0.worker.goodbye",
-        "p.shard0.worker.result",
-        "p.shard1.worker.hello",
-        "p.shard1.worker.heartbeat",
-        "p.shard1.worker.goodbye",
-        "p.shard1.worker.result",
+        "p.shard0.worker.w-2.hello",
+        "p.shard0.worker.w-2.heartbeat",
+        "p.shard0.worker.w-2.goodbye",
+        "p.shard0.worker.w-2.result",
+        "p.shard1.worker.w-3.hello",
+        "p.shard1.worker.w-3.heartbeat",
+        "p.shard1.worker.w-3.goodbye",
+        "p.shard1.worker.w-3.result",
     )
     assert permissions(_user(ADMIN), "p", 2) is None  # everything
 
@@ -136,7 +136,7 @@ def test_several_models_gateway_and_scheduler_reach_all_a_worker_only_its_own():
         "q.shard1.worker.q-worker-1.lora_check",
         "q.shard1.scheduler.heartbeat",
     )
-    assert all(s.startswith("q.shard1.") for s in perms.publish)
+    assert all(s.startswith("q.shard1.worker.q-worker-1.") for s in perms.publish)
     with pytest.raises(ValueError, match="no model has prefix"):
         permissions(NatsUser("w", "pw", WORKER, ("w",), prefix="r"), "p", 1, models)
 
@@ -163,7 +163,12 @@ def test_the_authorization_block_lists_users_with_their_permissions():
     assert entries[1]["permissions"]["allow_responses"] is True
     assert entries[2]["permissions"] == {
         "publish": {
-            "allow": ["p.worker.hello", "p.worker.heartbeat", "p.worker.goodbye", "p.worker.result"]
+            "allow": [
+                "p.worker.w-0.hello",
+                "p.worker.w-0.heartbeat",
+                "p.worker.w-0.goodbye",
+                "p.worker.w-0.result",
+            ]
         },
         "subscribe": {
             "allow": ["p.worker.w-0.plan", "p.worker.w-0.lora_check", "p.scheduler.heartbeat"]
@@ -325,11 +330,51 @@ def test_a_workers_goodbye_reaches_the_scheduler(broker):
         async def on_goodbye(_msg) -> None:
             got.set()
 
-        await scheduler.subscribe("skiff.worker.goodbye", cb=on_goodbye)
+        await scheduler.subscribe("skiff.worker.*.goodbye", cb=on_goodbye)
         await bus.flush(scheduler)
-        await worker.publish("skiff.worker.goodbye", b"bye")
+        await worker.publish("skiff.worker.worker-1.goodbye", b"bye")
         await worker.flush()
         await asyncio.wait_for(got.wait(), 5)
+        for nc in (scheduler, worker):
+            await nc.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.e2e  # starts nats-server
+def test_a_worker_publishes_only_as_itself(broker):
+    """worker-0's credential cannot send a hello, heartbeat, goodbye or result as worker-1."""
+
+    async def run() -> None:
+        errors: list[str] = []
+
+        async def on_error(e: Exception) -> None:
+            errors.append(str(e))
+
+        def kwargs(user: str) -> dict:
+            return broker.nats_options(user)["options"].nats_kwargs()
+
+        scheduler = await nats.connect(broker.nats_url, **kwargs(SCHEDULER))
+        worker = await nats.connect(broker.nats_url, error_cb=on_error, **kwargs("worker-0"))
+        heard: list[str] = []
+
+        async def on_msg(msg) -> None:
+            heard.append(msg.subject)
+
+        kinds = ("hello", "heartbeat", "goodbye", "result")
+        for kind in kinds:
+            await scheduler.subscribe(f"skiff.worker.*.{kind}", cb=on_msg)
+        await bus.flush(scheduler)
+        for w in ("worker-1", "worker-0"):
+            for kind in kinds:
+                await worker.publish(f"skiff.worker.{w}.{kind}", b"x")
+        await bus.flush(worker)
+        await asyncio.sleep(0.3)
+        assert heard == [f"skiff.worker.worker-0.{kind}" for kind in kinds]
+        assert sorted(e for e in errors if "permissions violation" in e) == sorted(
+            f'nats: permissions violation for publish to "skiff.worker.worker-1.{kind}"'
+            for kind in kinds
+        )
         for nc in (scheduler, worker):
             await nc.close()
 

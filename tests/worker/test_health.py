@@ -91,9 +91,9 @@ def test_ready_once_adopted_and_a_goodbye_on_leaving(model_dir, nats_url):
         results: asyncio.Queue[ModelRunnerOutput] = asyncio.Queue()
         goodbyes: asyncio.Queue[WorkerGoodbye] = asyncio.Queue()
         hellos: asyncio.Queue[WorkerHello] = asyncio.Queue()
-        await bus.subscribe(nc, subjects.worker_hello, WorkerHello, hellos.put)
-        await bus.subscribe(nc, subjects.result, ModelRunnerOutput, results.put)
-        await bus.subscribe(nc, subjects.worker_goodbye, WorkerGoodbye, goodbyes.put)
+        await bus.subscribe(nc, subjects.worker_hello("*"), WorkerHello, hellos.put)
+        await bus.subscribe(nc, subjects.result("*"), ModelRunnerOutput, results.put)
+        await bus.subscribe(nc, subjects.worker_goodbye("*"), WorkerGoodbye, goodbyes.put)
         await bus.flush(nc)
         await service.start()
         await asyncio.wait_for(hellos.get(), 5)  # after its subscription to its plans

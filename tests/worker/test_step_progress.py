@@ -83,10 +83,10 @@ def heartbeats_during_a_long_step(nats_url: str, runner: SimRunner | ThreadedSim
         subjects = Subjects()
         beats: asyncio.Queue[WorkerHello] = asyncio.Queue()
         results: asyncio.Queue[ModelRunnerOutput] = asyncio.Queue()
-        await bus.subscribe(nc, subjects.worker_heartbeat, WorkerHello, beats.put)
-        await bus.subscribe(nc, subjects.result, ModelRunnerOutput, results.put)
+        await bus.subscribe(nc, subjects.worker_heartbeat("*"), WorkerHello, beats.put)
+        await bus.subscribe(nc, subjects.result("*"), ModelRunnerOutput, results.put)
         hellos: asyncio.Queue[WorkerHello] = asyncio.Queue()
-        await bus.subscribe(nc, subjects.worker_hello, WorkerHello, hellos.put)
+        await bus.subscribe(nc, subjects.worker_hello("*"), WorkerHello, hellos.put)
         await bus.flush(nc)
         await service.start()
         # its hello follows its subscriptions on its connection: the plan below reaches it
