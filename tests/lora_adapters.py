@@ -25,12 +25,14 @@ def make_adapters(
 ) -> dict[str, tuple[LoRARequest, Any]]:
     """Each adapter of `specs` (name -> LoraConfig arguments) saved under `root`/name, its
     lora_B random (peft starts it at zero: the adapter would change nothing), and
-    transformers' model with it merged into the weights."""
+    transformers' model with it merged into the weights. The same `seed`, the same weights
+    (lora_A too, whatever the global generator's state)."""
     from peft import LoraConfig, get_peft_model
 
     g = torch.Generator().manual_seed(seed)
     out: dict[str, tuple[LoRARequest, Any]] = {}
-    for name, kwargs in specs.items():
+    for i, (name, kwargs) in enumerate(specs.items()):
+        torch.manual_seed(seed * 1000 + i)  # peft draws lora_A from the global generator
         peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(**kwargs))
         for param_name, param in peft_model.named_parameters():
             if "lora_B" in param_name:
