@@ -353,11 +353,13 @@ def _raw(address: str, data: bytes) -> bytes:
     reply = b""
     with socket.create_connection((host, int(port)), timeout=2) as s:
         s.sendall(data)
-        s.shutdown(socket.SHUT_WR)
         try:
+            s.shutdown(socket.SHUT_WR)
             while chunk := s.recv(65536):
                 reply += chunk
-        except ConnectionResetError:
+        except TimeoutError:  # the server kept the connection open
+            raise
+        except OSError:  # reset, or not connected (ENOTCONN): the server closed first
             pass
     return reply
 
