@@ -68,6 +68,7 @@ def nats_server_binary() -> str:
 
 NatsConfigT = TypeVar("NatsConfigT", bound=NatsClientConfig)
 SIM_WORKERS_USER = "sim-workers"  # the NATS user of the simulated workers' one process
+LOCAL_GATEWAY_ID = "gateway"  # with generated users: the gateway's id, its user's only outputs
 
 
 class StartupError(RuntimeError):
@@ -306,7 +307,11 @@ class Stack:
     def _generate_nats_users(self) -> dict[str, NatsUser]:
         if not self._nats_users:
             c = self.config
-            users = [NatsUser(role, new_password(), role) for role in (ADMIN, GATEWAY, SCHEDULER)]
+            users = [
+                NatsUser(ADMIN, new_password(), ADMIN),
+                NatsUser(GATEWAY, new_password(), GATEWAY, gateway_id=LOCAL_GATEWAY_ID),
+                NatsUser(SCHEDULER, new_password(), SCHEDULER),
+            ]
             ids = [f"worker-{i}" for i in range(len(c.worker_roles))]
             if c.simulated:  # one process, one connection for every worker
                 users.append(NatsUser(SIM_WORKERS_USER, new_password(), WORKER, tuple(ids)))
@@ -423,6 +428,8 @@ class Stack:
         c = self.config
         gateway = dataclasses.replace(
             self._as_nats_user(c.gateway, GATEWAY),
+            # its NATS user reads only this id's outputs
+            gateway_id=LOCAL_GATEWAY_ID if self._nats_users else c.gateway.gateway_id,
             subject_prefix=c.subject_prefix,
             model_dir=c.runner.model_dir,
             served_model_name=c.served_model_name,

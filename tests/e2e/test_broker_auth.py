@@ -172,6 +172,8 @@ def test_a_gateway_credential_can_neither_read_nor_pose_as_a_worker_or_scheduler
         S.result("*"),
         S.worker_hello("*"),
         "_INBOX.>",
+        S.output("*"),  # every gateway's outputs: the stack's gateway reads only its own
+        S.output("another-gateway"),
     )
     forged = {
         S.worker_hello(FAKE_HELLO.worker_id): FAKE_HELLO,
