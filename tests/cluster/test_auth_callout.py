@@ -3,11 +3,14 @@ alone: tests/cluster/localkube/api_server.py): service accounts and pods of a na
 own, audience-bound tokens from the TokenRequest API, and the callout process checking them
 with the real TokenReview for a real nats-server. A worker's and a gateway's pod-bound
 tokens get their own subjects only; a token of another audience, of a deleted service account,
-of an account without a role, bound to no pod, or forged is refused."""
+of an account without a role, bound to no pod, forged, or expired (signed with the API
+server's own key) is refused."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import subprocess
 import sys
 import time
@@ -16,6 +19,8 @@ from pathlib import Path
 
 import nats
 import pytest
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding
 from kubernetes import client
 
 from shared import bus
@@ -53,6 +58,23 @@ def _token(core, namespace: str, account: str, pod=None, audience: str = AUDIENC
     return core.create_namespaced_service_account_token(account, namespace, request).status.token
 
 
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _resigned(server, token: str, shift_s: int) -> str:
+    """`token` with its times moved by `shift_s`, signed again with the API server's own
+    service-account key: a token the API server itself could have issued."""
+    head, body, _ = token.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    for name in ("iat", "nbf", "exp"):
+        claims[name] += shift_s
+    signed = f"{head}.{_b64(json.dumps(claims).encode())}"
+    key = serialization.load_pem_private_key((server.pki.dir / "sa.key").read_bytes(), None)
+    signature = key.sign(signed.encode(), padding.PKCS1v15(), hashes.SHA256())  # RS256
+    return f"{signed}.{_b64(signature)}"
+
+
 @pytest.fixture(scope="module")
 def server():
     with api_server.running() as server:
@@ -86,6 +108,8 @@ def accounts(server):
         core.delete_namespaced_service_account("gone", namespace)
         head, body, signature = tokens["worker"].split(".")
         tokens["forged"] = f"{head}.{body}.{signature[::-1]}"
+        tokens["expired"] = _resigned(server, tokens["worker"], -2 * 3600)  # an hour ago
+        tokens["resigned"] = _resigned(server, tokens["worker"], 0)  # the control
         yield namespace, tokens
     finally:
         core.delete_namespace(namespace)
@@ -171,8 +195,21 @@ def test_pod_tokens_get_their_own_subjects(broker, accounts, tmp_path):
     asyncio.run(run())
 
 
+def test_a_token_signed_again_with_the_api_servers_key_is_admitted(broker, accounts):
+    """The control of the expired case: signing again alone does not get a token refused."""
+    _, tokens = accounts
+
+    async def run() -> None:
+        nc = await nats.connect(
+            broker.url, token=tokens["resigned"], allow_reconnect=False, connect_timeout=10
+        )
+        await nc.close()
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize(
-    "case", ["other-audience", "deleted-account", "no-role", "no-pod", "forged"]
+    "case", ["other-audience", "deleted-account", "no-role", "no-pod", "forged", "expired"]
 )
 def test_refused_tokens(broker, accounts, case):
     _, tokens = accounts
