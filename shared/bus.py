@@ -152,7 +152,8 @@ async def connect(
         if on_reconnect is not None:
             await on_reconnect()
 
-    return await nats.connect(
+    options = options or ConnectOptions()
+    nc = await nats.connect(
         url,
         name=name,
         max_reconnect_attempts=-1,
@@ -163,8 +164,13 @@ async def connect(
         error_cb=error_cb,
         disconnected_cb=disconnected_cb,
         reconnected_cb=reconnected_cb,
-        **(options or ConnectOptions()).nats_kwargs(),
+        **options.nats_kwargs(),
     )
+    if options.token_file:  # admitted by the auth callout: /health tells when it is lost
+        from shared import callout_watch  # it subscribes through this module
+
+        await callout_watch.watch(nc)
+    return nc
 
 
 async def publish(nc: Client, subject: str, msg: msgspec.Struct) -> int:

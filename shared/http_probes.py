@@ -4,7 +4,8 @@
 It is prometheus_client's own server extended with the two probes: a threaded WSGI server
 (stdlib `wsgiref`) outside the service's event loop, so it answers while the loop is busy and
 can tell when the loop is stuck (`loop_responds`). A probe is a `Check`: a function returning
-None when all is well, else the reason, which becomes a 503's body.
+None when all is well, else the reason, which becomes a 503's body. A passing /health adds a
+line when the NATS auth callout is lost (`shared.callout_watch`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
+
+from shared import callout_watch
 
 log = logging.getLogger("skiff.http")
 
@@ -81,7 +84,8 @@ class ProbeServer:
             log.exception("probe %s failed", path)
             reason = f"probe error: {exc!r}"
         if reason is None:
-            return _reply(start_response, "200 OK", "ok\n")
+            note = callout_watch.health_note() if path == "/health" else None
+            return _reply(start_response, "200 OK", "ok\n" + (f"{note}\n" if note else ""))
         return _reply(start_response, "503 Service Unavailable", reason + "\n")
 
     def start(self, host: str, port: int) -> None:

@@ -40,6 +40,9 @@ ROUTE_USER = "route"  # the cluster routes' user (not a client user: routes auth
 CALLOUT_USER = "auth-callout"  # `skiff auth-callout`'s own user, in AUTH_ACCOUNT
 AUTH_ACCOUNT = "AUTH"  # the callout's account
 CLIENT_ACCOUNT = "SKIFF"  # the account of every client the callout admits, and of `admin`
+# The callout's heartbeats (`CalloutHeartbeat`) to every client: exported from AUTH_ACCOUNT to
+# CLIENT_ACCOUNT, readable by every role (`shared.callout_watch`).
+CALLOUT_HEARTBEAT = "skiff-auth-callout.heartbeat"
 
 
 def inbox_prefix(user: str) -> str:
@@ -115,7 +118,11 @@ def permissions(
     parts = [_service_permissions(user, m) for m in deployments]
     return Permissions(
         publish=_unique(*(x for p in parts for x in p.publish)),
-        subscribe=_unique(*(x for p in parts for x in p.subscribe), f"{inbox_prefix(user.name)}.>"),
+        subscribe=_unique(
+            *(x for p in parts for x in p.subscribe),
+            f"{inbox_prefix(user.name)}.>",
+            CALLOUT_HEARTBEAT,
+        ),
         allow_responses=user.role == SCHEDULER,  # submit, adapter and stats replies
     )
 
@@ -183,7 +190,8 @@ def _worker_permissions(user: NatsUser, model: ModelSubjects) -> Permissions:
         ),
         # its scheduler's heartbeats keep an idle worker on the current epoch
         subscribe=_unique(
-            *(x for s, w in own for x in (s.plan(w), s.lora_check(w), s.scheduler_heartbeat))
+            *(x for s, w in own for x in (s.plan(w), s.lora_check(w), s.scheduler_heartbeat)),
+            CALLOUT_HEARTBEAT,
         ),
         allow_responses=True,  # LoRA check replies
     )
@@ -288,8 +296,14 @@ class AuthCallout:
 
     def block(self) -> str:
         accounts = {
-            AUTH_ACCOUNT: {"users": [{"user": CALLOUT_USER, "password": self.callout_password}]},
-            CLIENT_ACCOUNT: {"users": [{"user": ADMIN, "password": self.admin_password}]},
+            AUTH_ACCOUNT: {
+                "users": [{"user": CALLOUT_USER, "password": self.callout_password}],
+                "exports": [{"stream": CALLOUT_HEARTBEAT}],
+            },
+            CLIENT_ACCOUNT: {
+                "users": [{"user": ADMIN, "password": self.admin_password}],
+                "imports": [{"stream": {"account": AUTH_ACCOUNT, "subject": CALLOUT_HEARTBEAT}}],
+            },
         }
         callout = {
             "issuer": self.issuer,

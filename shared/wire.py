@@ -269,6 +269,13 @@ class OutputBatch(msgspec.Struct, kw_only=True):
     version: int = PROTOCOL_VERSION
 
 
+class CalloutHeartbeat(msgspec.Struct, kw_only=True):
+    """`skiff auth-callout` is alive; the next one comes within `interval_s`."""
+
+    interval_s: float
+    version: int = PROTOCOL_VERSION
+
+
 class SchedulerHeartbeat(msgspec.Struct, kw_only=True):
     """Published periodically; a new `epoch` means the scheduler restarted. `leaving` is set on
     the last one of a scheduler that shuts down: its requests move to the next scheduler."""

@@ -49,10 +49,14 @@ class AuthCalloutConfig(NatsClientConfig):
     kubeconfig: str = setting(
         "", "kubeconfig of the API server (default: the pod's service account)"
     )
+    heartbeat_s: float = setting(
+        5.0, "seconds between heartbeats; services report the callout lost after 3 missed"
+    )
     log_level: str = setting(DEFAULT_LOG_LEVEL, "DEBUG, INFO, WARNING or ERROR")
 
     def __post_init__(self) -> None:
         check_positive(self, "scheduler_shards")
+        check_positive(self, "heartbeat_s")
         if not self.signing_key_file:
             raise ValueError("--signing-key-file is required (the account nkey seed, SA...)")
         if not self.audience:

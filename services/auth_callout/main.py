@@ -1,7 +1,8 @@
 """`skiff auth-callout`: answers nats-server's `$SYS.REQ.USER.AUTH` requests (queue group: any
-number of replicas). Start-up fails with one line naming what to fix when the signing key,
-the API server or its TokenReview permission is missing. nats-server keeps the connections it
-has admitted while the callout is away; only new ones wait for it."""
+number of replicas) and publishes heartbeats that tell the services it is alive. Start-up fails
+with one line naming what to fix when the signing key, the API server or its TokenReview
+permission is missing. nats-server keeps the connections it has admitted while the callout is
+away; only new ones wait for it, and the services' /health says it is lost."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from shared import bus
 from shared.cli_args import ConfigParser, wait_for_signal
 from shared.config import TelemetryConfig
 from shared.logs import setup_logging
+from shared.nats_auth import CALLOUT_HEARTBEAT
+from shared.wire import CalloutHeartbeat
 
 AUTH_SUBJECT = "$SYS.REQ.USER.AUTH"
 QUEUE = "skiff-auth-callout"
@@ -82,6 +85,14 @@ async def listen(nc: Client, authorizer: Authorizer) -> Subscription:
     return await nc.subscribe(AUTH_SUBJECT, queue=QUEUE, cb=on_request)
 
 
+async def heartbeats(nc: Client, interval_s: float) -> None:
+    """Tell every client the callout is alive (`shared.callout_watch`), until cancelled."""
+    beat = CalloutHeartbeat(interval_s=interval_s)
+    while True:
+        await bus.publish(nc, CALLOUT_HEARTBEAT, beat)
+        await asyncio.sleep(interval_s)
+
+
 async def serve(config: AuthCalloutConfig) -> None:
     signer = load_signer(config.signing_key_file)
     api = await api_client(config.kubeconfig)
@@ -100,11 +111,13 @@ async def serve(config: AuthCalloutConfig) -> None:
         options = bus.ConnectOptions.from_config(config)
         nc = await bus.connect(config.nats_url, "auth-callout", options=options)
         await listen(nc, authorizer)
+        beating = asyncio.create_task(heartbeats(nc, config.heartbeat_s))
         issuer = nats_jwt.public_key(signer)
         log.info("answering %s as %s, issuer %s", AUTH_SUBJECT, config.nats_user, issuer)
         try:
             await wait_for_signal()
         finally:
+            beating.cancel()
             await nc.drain()
     finally:
         await api.close()  # type: ignore[no-untyped-call]

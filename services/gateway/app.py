@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from services.gateway import chat, completions, lora_admin, tokenization
 from services.gateway.config import GatewayConfig
@@ -39,7 +39,7 @@ from services.gateway.models import ServedModels
 from services.gateway.serving import Payload
 from services.gateway.tenants import Tenants, ticket_of
 from services.gateway.tracing import TracingMiddleware
-from shared import tracing
+from shared import callout_watch, tracing
 from shared.tokenizer import Tokenizer
 
 
@@ -147,13 +147,14 @@ def _service_router(models: ServedModels, metrics: GatewayMetrics, tenants: Tena
     @api.get("/health")
     async def health(model: str | None = None) -> Response:
         """200 while not draining and some model (`model`: that one) has a scheduler with
-        ready workers."""
+        ready workers; its body warns when the NATS auth callout is lost."""
         if models.draining:
             return error_response(503, "the gateway is shutting down")
         ready = models.ready if model is None else models.base(model).engine.ready
         if not ready:
             return error_response(503, "no scheduler with ready workers is available")
-        return Response(status_code=200)
+        note = callout_watch.health_note()
+        return JSONResponse({"warning": note}) if note else Response(status_code=200)
 
     @api.get("/version")
     async def version() -> Payload:

@@ -1,7 +1,8 @@
 """A real stack behind the auth callout: nats-server with the callout (its TokenReview the
 test's function, as in test_callout_broker.py), and the scheduler, a simulated worker and the
 gateway as processes, each presenting its own token file (no password anywhere): the
-permissions the callout gives suffice to serve a completion end to end."""
+permissions the callout gives suffice to serve a completion end to end. When the callout goes
+away, the stack keeps serving on the connections it has, and the gateway's /health says so."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import asyncio
 import dataclasses
 import json
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from services.auth_callout.authorizer import Authorizer
-from services.auth_callout.main import listen
+from services.auth_callout.main import heartbeats, listen
 from services.gateway.config import GatewayConfig
 from services.launcher import SIM_WORKERS_USER, NatsConfigT, Stack, StackConfig, free_port
 from services.worker.config import RunnerConfig
@@ -25,6 +27,7 @@ from tests.auth_callout.broker import PREFIX, ROLES, callout_broker
 from tests.auth_callout.test_callout_broker import review
 
 pytestmark = pytest.mark.e2e
+HEARTBEAT_S = 0.5  # the services call the callout lost after three missed
 
 
 class CalloutStack(Stack):
@@ -45,7 +48,23 @@ class CalloutStack(Stack):
         )
 
 
-def test_a_completion_through_the_callout(smollm2_dir, tmp_path):
+def _complete(url: str) -> dict:
+    body = {"model": "m", "prompt": [504, 3458, 282], "max_tokens": 8, "ignore_eos": True}
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def _health(url: str) -> tuple[int, bytes]:
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as resp:
+        return resp.status, resp.read()
+
+
+def test_a_completion_through_the_callout_and_after_it_is_lost(smollm2_dir, tmp_path):
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -55,9 +74,13 @@ def test_a_completion_through_the_callout(smollm2_dir, tmp_path):
             nc = await broker.callout_connection()
             await listen(nc, Authorizer(ROLES, review, broker.signer, PREFIX, 1))
             await nc.flush()
-            return nc
+            return nc, asyncio.create_task(heartbeats(nc, HEARTBEAT_S))
 
-        callout = asyncio.run_coroutine_threadsafe(start_callout(), loop).result(10)
+        async def stop_callout():
+            beating.cancel()
+            await callout.close()
+
+        callout, beating = asyncio.run_coroutine_threadsafe(start_callout(), loop).result(10)
         logs = tmp_path / "logs"
         config = StackConfig(
             RunnerConfig(str(smollm2_dir), device="sim"),
@@ -72,21 +95,25 @@ def test_a_completion_through_the_callout(smollm2_dir, tmp_path):
         stack = CalloutStack(config, tmp_path)
         try:
             stack.start(timeout_s=120)
-            body = {"model": "m", "prompt": [504, 3458, 282], "max_tokens": 8, "ignore_eos": True}
-            request = urllib.request.Request(
-                f"{stack.url}/v1/completions",
-                data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(request, timeout=60) as resp:
-                answer = json.loads(resp.read())
-            assert answer["usage"]["completion_tokens"] == 8
+            assert _complete(stack.url)["usage"]["completion_tokens"] == 8
+            assert _health(stack.url) == (200, b"")
+
+            # The callout goes away: connections stay, and /health (still 200) says so.
+            asyncio.run_coroutine_threadsafe(stop_callout(), loop).result(10)
+            deadline = time.monotonic() + 30
+            while (health := _health(stack.url))[1] == b"":
+                assert time.monotonic() < deadline, "/health never said the callout was lost"
+                time.sleep(0.2)
+            assert health[0] == 200
+            assert json.loads(health[1])["warning"].startswith("auth callout lost")
+            assert _complete(stack.url)["usage"]["completion_tokens"] == 8
         except Exception:
             for log in sorted(logs.glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text()[-3000:]}")
             raise
         finally:
             stack.stop()
-            asyncio.run_coroutine_threadsafe(callout.close(), loop).result(10)
+            if not callout.is_closed:
+                asyncio.run_coroutine_threadsafe(stop_callout(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)

@@ -25,7 +25,7 @@ from nats.aio.client import Client
 from services.launcher import LOCAL_GATEWAY_ID, Stack, StackConfig
 from services.worker.config import RunnerConfig
 from shared import bus
-from shared.nats_auth import ADMIN, inbox_prefix
+from shared.nats_auth import ADMIN, CALLOUT_HEARTBEAT, inbox_prefix
 from shared.subjects import Subjects
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +56,9 @@ def _worker(worker_id: str) -> Owned:
                 S.result(worker_id),
             }
         ),
-        subscribe=frozenset({S.plan(worker_id), S.lora_check(worker_id), S.scheduler_heartbeat}),
+        subscribe=frozenset(
+            {S.plan(worker_id), S.lora_check(worker_id), S.scheduler_heartbeat, CALLOUT_HEARTBEAT}
+        ),
     )
 
 
@@ -64,7 +66,8 @@ OWNED: dict[str, Owned] = {
     "gateway": Owned(
         publish=frozenset({S.submit, S.abort, S.lora_adapters, S.gateway_heartbeat}),
         subscribe=frozenset(
-            {S.output(LOCAL_GATEWAY_ID), S.scheduler_heartbeat, f"{inbox_prefix('gateway')}.>"}
+            {S.output(LOCAL_GATEWAY_ID), S.scheduler_heartbeat, CALLOUT_HEARTBEAT}
+            | {f"{inbox_prefix('gateway')}.>"}
         ),
         request=frozenset({S.submit, S.lora_adapters}),
     ),
@@ -75,7 +78,7 @@ OWNED: dict[str, Owned] = {
         ),
         subscribe=frozenset(
             {S.submit, S.abort, S.lora_adapters, S.gateway_heartbeat, S.scheduler_stats}
-            | {f"{inbox_prefix('scheduler')}.>"}
+            | {f"{inbox_prefix('scheduler')}.>", CALLOUT_HEARTBEAT}
             | {S.worker_hello("*"), S.worker_heartbeat("*"), S.worker_goodbye("*"), S.result("*")}
         ),
         request=frozenset(S.lora_check(w) for w in WORKERS),

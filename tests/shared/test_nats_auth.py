@@ -15,6 +15,7 @@ from services.worker.config import RunnerConfig
 from shared import bus
 from shared.nats_auth import (
     ADMIN,
+    CALLOUT_HEARTBEAT,
     CALLOUT_USER,
     GATEWAY,
     SCHEDULER,
@@ -55,6 +56,7 @@ def test_gateway_permissions_cover_every_shard_and_nothing_of_workers():
         "p.shard1.out.*",
         "p.shard1.scheduler.heartbeat",
         "_INBOX.gateway.>",
+        CALLOUT_HEARTBEAT,
     )
 
 
@@ -78,6 +80,7 @@ def test_scheduler_permissions_answer_requests_without_an_inbox():
         "p.scheduler.stats",
         "p.gateway.heartbeat",
         "_INBOX.scheduler.>",
+        CALLOUT_HEARTBEAT,
     )
 
 
@@ -91,6 +94,7 @@ def test_a_worker_user_gets_only_its_own_workers_plans_on_their_shards():
         "p.shard1.worker.w-3.plan",
         "p.shard1.worker.w-3.lora_check",
         "p.shard1.scheduler.heartbeat",
+        CALLOUT_HEARTBEAT,
     )
     assert perms.publish == (
         "p.shard0.worker.w-2.hello",
@@ -124,7 +128,7 @@ def test_several_models_gateway_and_scheduler_reach_all_a_worker_only_its_own():
         "q.shard0.gateway.heartbeat",
         "q.shard1.gateway.heartbeat",
     )
-    assert gateway.subscribe[-1] == "_INBOX.gateway.>"
+    assert gateway.subscribe[-2:] == ("_INBOX.gateway.>", CALLOUT_HEARTBEAT)
     scheduler = permissions(_user(SCHEDULER), "p", 1, models)
     assert scheduler is not None and scheduler.allow_responses
     assert {"p.req.submit", "q.shard1.req.submit"} <= set(scheduler.subscribe)
@@ -135,6 +139,7 @@ def test_several_models_gateway_and_scheduler_reach_all_a_worker_only_its_own():
         "q.shard1.worker.q-worker-1.plan",
         "q.shard1.worker.q-worker-1.lora_check",
         "q.shard1.scheduler.heartbeat",
+        CALLOUT_HEARTBEAT,
     )
     assert all(s.startswith("q.shard1.worker.q-worker-1.") for s in perms.publish)
     with pytest.raises(ValueError, match="no model has prefix"):
@@ -171,7 +176,12 @@ def test_the_authorization_block_lists_users_with_their_permissions():
             ]
         },
         "subscribe": {
-            "allow": ["p.worker.w-0.plan", "p.worker.w-0.lora_check", "p.scheduler.heartbeat"]
+            "allow": [
+                "p.worker.w-0.plan",
+                "p.worker.w-0.lora_check",
+                "p.scheduler.heartbeat",
+                CALLOUT_HEARTBEAT,
+            ]
         },
         "allow_responses": True,
     }
@@ -208,6 +218,7 @@ def test_the_command_writes_a_private_config_from_password_files(tmp_path):
         "p.scheduler.heartbeat",
         "p.worker.skiff-worker-1-1.plan",
         "p.worker.skiff-worker-1-1.lora_check",
+        CALLOUT_HEARTBEAT,
     ]
     with pytest.raises(SystemExit):
         main(["--password-dir", str(tmp_path / "missing"), "--out", str(out)])
@@ -243,8 +254,14 @@ def test_the_command_writes_an_auth_callout_config(tmp_path):
         out.read_text().removeprefix("accounts ").partition("\nauthorization ")
     )
     assert json.loads(accounts) == {
-        "AUTH": {"users": [{"user": CALLOUT_USER, "password": "auth-callout-pw"}]},
-        "SKIFF": {"users": [{"user": ADMIN, "password": "admin-pw"}]},
+        "AUTH": {
+            "users": [{"user": CALLOUT_USER, "password": "auth-callout-pw"}],
+            "exports": [{"stream": CALLOUT_HEARTBEAT}],
+        },
+        "SKIFF": {
+            "users": [{"user": ADMIN, "password": "admin-pw"}],
+            "imports": [{"stream": {"account": "AUTH", "subject": CALLOUT_HEARTBEAT}}],
+        },
     }
     assert json.loads(authorization) == {
         "auth_callout": {"issuer": issuer, "auth_users": [CALLOUT_USER, ADMIN], "account": "AUTH"}

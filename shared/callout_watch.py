@@ -1,0 +1,66 @@
+"""Whether `skiff auth-callout` is alive, as a service connected through it sees it: the callout
+publishes a `CalloutHeartbeat` every `interval_s` (`CALLOUT_HEARTBEAT`); three missed beats and
+it is lost. nats-server keeps the connections the callout admitted while it is away, so the
+service keeps serving; only its next (re)connection would wait for the callout. The service's
+/health says so (and still passes): `health_note`.
+
+One watch per process: `bus.connect` starts it for every connection made with a token file.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from nats.aio.client import Client
+
+from shared import bus
+from shared.nats_auth import CALLOUT_HEARTBEAT
+from shared.wire import CalloutHeartbeat
+
+MISSED_BEATS = 3  # the callout is lost after this many heartbeat intervals without one
+FIRST_BEAT_S = 15.0  # lost when no heartbeat came this long after the first connection
+
+
+class CalloutWatch:
+    """When the callout was last heard, and what /health says about it."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._last = clock()  # the first connection: the callout admitted it then
+        self._deadline_s = FIRST_BEAT_S
+
+    def heard(self, beat: CalloutHeartbeat) -> None:
+        self._last = self._clock()
+        self._deadline_s = MISSED_BEATS * beat.interval_s
+
+    def note(self) -> str | None:
+        """None while the callout is alive; else what an operator needs to know."""
+        silent_s = self._clock() - self._last
+        if silent_s <= self._deadline_s:
+            return None
+        return (
+            f"auth callout lost: not heard for {silent_s:.0f} s; connections stay up, "
+            "a reconnection waits for it"
+        )
+
+
+_watch: CalloutWatch | None = None
+
+
+async def watch(nc: Client) -> None:
+    """Hear the callout's heartbeats on `nc` (a connection it admitted)."""
+    global _watch
+    if _watch is None:
+        _watch = CalloutWatch()
+    watch = _watch
+
+    async def on_beat(beat: CalloutHeartbeat) -> None:
+        watch.heard(beat)
+
+    await bus.subscribe(nc, CALLOUT_HEARTBEAT, CalloutHeartbeat, on_beat)
+
+
+def health_note() -> str | None:
+    """The line /health adds about the callout (None: nothing to say, or no callout)."""
+    return None if _watch is None else _watch.note()
