@@ -20,10 +20,11 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import nats
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -39,6 +40,7 @@ log = logging.getLogger("skiff.bus")
 M = TypeVar("M", bound=msgspec.Struct)
 R = TypeVar("R", bound=msgspec.Struct)
 
+USER_EXPIRED = "user authentication expired"  # nats-server's -ERR when a user JWT expires
 HEADER_ROOM = 512  # bytes kept free for subject, headers and protocol framing
 _MSG_ID, _PART = "Skiff-Msg", "Skiff-Part"
 
@@ -126,6 +128,19 @@ def _current_token(path: str) -> str:
         return ""
 
 
+class RenewingClient(Client):
+    """nats-py's client, reconnecting (as the Go client does) when the server ends a connection
+    because its user's credential expired, where nats-py gives up: the auth callout's user JWTs
+    expire with the pod's token, and the reconnection presents the kubelet's fresh one."""
+
+    async def _process_err(self, err_msg: str) -> None:
+        if USER_EXPIRED in err_msg.lower():
+            log.info("nats: the credential expired; reconnecting with the current token")
+            await self._process_op_err(nats.errors.Error(f"nats: {err_msg.strip(chr(39))}"))
+            return
+        await super()._process_err(err_msg)
+
+
 async def connect(
     url: str | list[str],
     name: str,
@@ -153,19 +168,20 @@ async def connect(
             await on_reconnect()
 
     options = options or ConnectOptions()
-    nc = await nats.connect(
-        url,
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.25,
-        connect_timeout=2,
-        ping_interval=5,
-        max_outstanding_pings=3,
-        error_cb=error_cb,
-        disconnected_cb=disconnected_cb,
-        reconnected_cb=reconnected_cb,
+    settings: dict[str, Any] = {
+        "name": name,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.25,
+        "connect_timeout": 2,
+        "ping_interval": 5,
+        "max_outstanding_pings": 3,
+        "error_cb": error_cb,
+        "disconnected_cb": disconnected_cb,
+        "reconnected_cb": reconnected_cb,
         **options.nats_kwargs(),
-    )
+    }
+    nc = RenewingClient()
+    await nc.connect(url, **settings)
     if options.token_file:  # admitted by the auth callout: /health tells when it is lost
         from shared import callout_watch  # it subscribes through this module
 

@@ -20,7 +20,7 @@ log = logging.getLogger("skiff.auth_callout")
 @dataclass(frozen=True)
 class Authorizer:
     """Admits the clients whose tokens `review` accepts and `roles` maps, into `account`, with
-    `shared.nats_auth.permissions` on the deployment's subjects."""
+    `shared.nats_auth.permissions` on the deployment's subjects, until their tokens expire."""
 
     roles: RoleMap
     review: Reviewer
@@ -39,13 +39,16 @@ class Authorizer:
             log.warning("ignoring a malformed authorization request: %s", exc)
             return None
         try:
-            user = self.roles.user_of(await self.review(request.token))
+            token = await self.review(request.token)
+            user = self.roles.user_of(token)
             perms = permissions(user, self.prefix, self.num_shards, self.models)
         except (Refused, ReviewUnavailable, ValueError) as exc:
             log.warning("refused %s (%s): %s", request.client_name, request.client_host, exc)
             return self._sign(claims.response_claims(request, error=str(exc)))
         assert perms is not None  # no token maps to admin
-        user_jwt = self._sign(claims.user_claims(request, user.name, perms, self.account))
+        user_jwt = self._sign(
+            claims.user_claims(request, user.name, perms, self.account, token.expires_at)
+        )
         log.info("admitted %s as %s %s", request.client_host, user.role, user.name)
         return self._sign(claims.response_claims(request, jwt=user_jwt))
 

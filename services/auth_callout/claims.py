@@ -56,9 +56,10 @@ def parse_request(claims: dict[str, Any]) -> AuthRequest:
 
 
 def user_claims(
-    request: AuthRequest, name: str, perms: Permissions, account: str
+    request: AuthRequest, name: str, perms: Permissions, account: str, expires_at: int = 0
 ) -> dict[str, Any]:
-    """A user JWT's claims: `perms` in `account`, no limits on subscriptions or data."""
+    """A user JWT's claims: `perms` in `account`, no limits on subscriptions or data; with
+    `expires_at` (Unix seconds), nats-server ends the connection then."""
     nats: dict[str, Any] = {
         "pub": {"allow": list(perms.publish)},
         "sub": {"allow": list(perms.subscribe)},
@@ -70,7 +71,10 @@ def user_claims(
     }
     if perms.allow_responses:
         nats["resp"] = {"max": 1, "ttl": 0}  # one reply per request, the server's default expiry
-    return {"aud": account, "name": name, "sub": request.user_nkey, "nats": nats}
+    body: dict[str, Any] = {"aud": account, "name": name, "sub": request.user_nkey, "nats": nats}
+    if expires_at:
+        body["exp"] = expires_at
+    return body
 
 
 def response_claims(request: AuthRequest, *, jwt: str = "", error: str = "") -> dict[str, Any]:

@@ -21,10 +21,12 @@ class Refused(Exception):
 
 @dataclass(frozen=True)
 class ReviewedToken:
-    """A token the API server authenticated: its user name and extra fields."""
+    """A token the API server authenticated: its user name, extra fields and expiry (Unix
+    seconds; 0: none known)."""
 
     username: str
     extra: Mapping[str, Sequence[str]]
+    expires_at: int = 0
 
 
 def service_account(spec: str) -> str:

@@ -1,10 +1,13 @@
 """Service-account tokens checked by the API server's TokenReview (authentication.k8s.io/v1):
 valid, unexpired, of a service account and pod that still exist, and meant for the NATS
-audience. The callout's own service account needs `create` on `tokenreviews`.
+audience. The callout's own service account needs `create` on `tokenreviews`. A reviewed
+token's expiry bounds the NATS user it gets.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 from collections.abc import Awaitable, Callable
 
 from kubernetes.aio.client import (
@@ -45,9 +48,23 @@ def token_reviewer(api: ApiClient, audience: str) -> Reviewer:
             raise Refused(f"token not authenticated: {error or 'no reason given'}")
         if audience not in (status.audiences or ()):
             raise Refused(f"token not meant for the audience {audience!r}")
-        return ReviewedToken(status.user.username or "", dict(status.user.extra or {}))
+        user = status.user
+        return ReviewedToken(user.username or "", dict(user.extra or {}), token_expiry(token))
 
     return review
+
+
+def token_expiry(token: str) -> int:
+    """The `exp` claim of a JWT the API server has just authenticated (0: none)."""
+    parts = token.split(".")
+    if len(parts) != 3:
+        return 0
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+    except ValueError:
+        return 0
+    exp = claims.get("exp") if isinstance(claims, dict) else None
+    return exp if isinstance(exp, int) and exp > 0 else 0
 
 
 async def check_reviews(review: Reviewer) -> None:

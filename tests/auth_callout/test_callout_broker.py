@@ -8,6 +8,7 @@ refused. Connections the callout admitted outlive the callout."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import nats
 import pytest
@@ -181,3 +182,47 @@ def _config(token_file: str):
     from shared.config import NatsClientConfig
 
     return NatsClientConfig(nats_user="w", nats_token_file=token_file)
+
+
+def test_a_connection_outlives_its_expiring_credential_by_renewing_it(tmp_path):
+    """Each token (and so each user JWT) expires 2 s after its review: nats-server ends the
+    connection then; `bus.connect` reconnects with the token file's current token, keeping
+    its subscriptions, where a plain nats-py client stays closed."""
+    expiry_s = 2
+    reviews: list[str] = []
+
+    async def short_lived(token: str) -> ReviewedToken:
+        reviews.append(token)
+        reviewed = await review(token)
+        return ReviewedToken(reviewed.username, reviewed.extra, int(time.time()) + expiry_s)
+
+    async def run(broker) -> None:
+        async with broker.callout(short_lived):
+            path = _token_file(tmp_path, "worker:w")
+            options = bus.ConnectOptions(user="w", token_file=str(path))
+            renewing = await bus.connect(broker.url, "w", options=options)
+            plain = await nats.connect(broker.url, **options.nats_kwargs())
+            got: list[bytes] = []
+
+            async def on_plan(msg) -> None:
+                got.append(msg.data)
+
+            await renewing.subscribe("skiff.worker.w.plan", cb=on_plan)
+            await bus.flush(renewing)
+            path.write_text("worker:w\n")  # the kubelet's rotation: same identity, new token
+            deadline = time.monotonic() + 5 * expiry_s
+            while len(reviews) < 4:  # both first connections, then two renewals
+                assert time.monotonic() < deadline, f"renewed {len(reviews) - 2} times"
+                await asyncio.sleep(0.05)
+            assert plain.is_closed, "nats-server did not end the expired connection"
+            await bus.flush(renewing)  # reconnected, its subscription made again
+            admin = await broker.admin()
+            await admin.publish("skiff.worker.w.plan", b"after")
+            await admin.flush()
+            await asyncio.sleep(0.3)
+            assert got == [b"after"]
+            for nc in (renewing, admin):
+                await nc.close()
+
+    with callout_broker(tmp_path) as broker:
+        asyncio.run(run(broker))

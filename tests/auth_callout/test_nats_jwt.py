@@ -9,10 +9,15 @@ import pytest
 
 from services.auth_callout import claims, nats_jwt
 from services.auth_callout.nats_jwt import InvalidJwt
+from services.auth_callout.token_review import token_expiry
 from shared.nats_auth import Permissions
 
 SIGNER = nats_jwt.key_pair(nats_jwt.new_account_seed())
 USER_NKEY = "U" + "A" * 55  # shape only: parse_request checks the prefix
+
+
+def _b64url(value: object) -> str:
+    return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
 
 
 def _request() -> claims.AuthRequest:
@@ -66,6 +71,10 @@ def test_user_and_response_claims_follow_the_callout_protocol():
     assert user["nats"]["sub"] == {"allow": ["b", "c"]}
     assert user["nats"]["resp"] == {"max": 1, "ttl": 0}
     assert user["nats"]["type"] == "user" and user["nats"]["subs"] == -1
+    assert "exp" not in user  # no expiry known: none
+    assert (
+        claims.user_claims(_request(), "w", perms, "SKIFF", 1_900_000_000)["exp"] == 1_900_000_000
+    )
     response = claims.response_claims(_request(), jwt="J")
     assert response == {
         "aud": "NSERVER",
@@ -104,3 +113,18 @@ def test_keygen_writes_a_seed_and_its_issuer(tmp_path):
     issuer = (tmp_path / "key" / "issuer").read_text()
     assert seed.startswith("SA") and issuer == nats_jwt.public_key(nats_jwt.key_pair(seed))
     assert issuer.startswith("A") and len(issuer) == 56
+
+
+@pytest.mark.parametrize(
+    ("token", "expiry"),
+    [
+        ("h." + _b64url({"exp": 1_900_000_000, "sub": "x"}) + ".s", 1_900_000_000),
+        ("h." + _b64url({"sub": "x"}) + ".s", 0),
+        ("h." + _b64url({"exp": "soon"}) + ".s", 0),
+        ("h." + _b64url([1]) + ".s", 0),
+        ("h.not base64!.s", 0),
+        ("worker:w", 0),
+    ],
+)
+def test_a_reviewed_tokens_expiry_is_its_exp_claim(token, expiry):
+    assert token_expiry(token) == expiry

@@ -22,7 +22,9 @@ import pytest
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding
 from kubernetes import client
+from kubernetes.aio.config import new_client_from_config
 
+from services.auth_callout.token_review import token_reviewer
 from shared import bus
 from tests.auth_callout.broker import callout_broker
 from tests.cluster.localkube import api_server
@@ -193,6 +195,22 @@ def test_pod_tokens_get_their_own_subjects(broker, accounts, tmp_path):
             await nc.close()
 
     asyncio.run(run())
+
+
+def test_a_reviewed_token_carries_its_expiry_which_bounds_its_nats_user(server, accounts):
+    _, tokens = accounts
+    body = tokens["worker"].split(".")[1]
+    exp = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))["exp"]
+
+    async def run() -> int:
+        api = await new_client_from_config(str(server.kubeconfig))
+        try:
+            return (await token_reviewer(api, AUDIENCE)(tokens["worker"])).expires_at
+        finally:
+            await api.close()
+
+    assert asyncio.run(run()) == exp
+    assert exp > time.time() + 3000  # the TokenRequest's hour
 
 
 def test_a_token_signed_again_with_the_api_servers_key_is_admitted(broker, accounts):
