@@ -5,7 +5,8 @@ receives this gateway's output batches (reassembled when the scheduler had to sp
 sends submits (request-reply) and aborts. `on_lost(reason, shard)` hears of every event after
 which deltas may have been lost or will stop: a new epoch of one shard's scheduler, or its
 scheduler announcing that it leaves (`shard` is its index), our own reconnection or NATS
-dropping messages for a slow consumer (`shard` is None: every shard's).
+dropping messages for a slow consumer (`shard` is None: every shard's). A restarted scheduler
+gets the LoRA adapters loaded at run time again (`adapter_restore`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client
 
+from services.gateway.adapter_restore import lost_adapters, restore_adapters
 from services.gateway.request_stream import EngineError
 from services.gateway.shards import Shards
 from shared import bus
@@ -158,13 +160,18 @@ class NatsTransport:
 
     async def _on_heartbeat(self, index: int, beat: SchedulerHeartbeat) -> None:
         shard = self.shards[index]
-        previous, was_leaving = shard.epoch, shard.leaving
+        previous, was_leaving, adapters = shard.epoch, shard.leaving, shard.lora_adapters
         if not supersedes(beat.epoch, previous, current_silent=not self.shards.fresh(shard)):
             logger.debug("ignoring a heartbeat of stale epoch %s", beat.epoch)
             return
         if self.shards.heartbeat(index, beat):
             reason = f"scheduler on {shard.subjects.prefix} restarted"
             self._on_lost(f"{reason} (epoch {previous} -> {beat.epoch})", index)
+            if lost := lost_adapters(adapters, beat.lora_adapters):
+                restore = restore_adapters(
+                    functools.partial(self.change_lora, index), lost, shard=shard.subjects.prefix
+                )
+                self._tasks.spawn(restore, f"restore-adapters-{index}")
         elif beat.leaving and not was_leaving:
             self._on_lost(f"scheduler on {shard.subjects.prefix} is leaving", index)
 

@@ -8,6 +8,7 @@ the scheduler exports vLLM's lora_requests_info."""
 from __future__ import annotations
 
 import re
+import signal
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -191,3 +192,23 @@ def test_the_scheduler_exports_lora_requests_info(lora_stack, client):
     while sql_running() != (0.0, ""):
         assert time.monotonic() < deadline
         time.sleep(0.2)
+
+
+def test_a_restarted_scheduler_serves_the_adapters_loaded_at_run_time(
+    lora_stack, client, adapters, smollm2_dir
+):
+    """The scheduler holds the runtime loads in memory; killed and started again (a new epoch),
+    it gets them back from the gateway, and requests naming them are served as before."""
+    r = post(lora_stack, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": "chat"})
+    assert r.status_code == 200, r.text
+    reference = expected(adapters, "chat", PROMPTS[0], Tokenizer(smollm2_dir))
+    lora_stack.kill("scheduler", signal.SIGKILL)
+    lora_stack.start_scheduler()
+    lora_stack.wait_ready(120)
+    deadline = time.monotonic() + 120
+    while "chat" not in {m.id for m in client.models.list().data}:
+        assert time.monotonic() < deadline, "the adapter was not loaded again"
+        time.sleep(0.5)
+    assert {m.id for m in client.models.list().data} == {MODEL, "sql", "chat"}
+    assert complete(client, "chat", PROMPTS[0]) == reference
+    assert post(lora_stack, "/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
