@@ -30,10 +30,12 @@ M = TypeVar("M", bound=msgspec.Struct)
 class LoRARequest(msgspec.Struct, kw_only=True, frozen=True):
     """A LoRA adapter a request runs with: its name (the `model` an API client sends) and its
     PEFT checkpoint directory (`adapter_config.json`, `adapter_model.safetensors`) as the
-    workers see it."""
+    workers see it; an adapter loaded at run time carries the adapter root too, which the
+    worker checks with symlinks followed (the scheduler checks the path as a string)."""
 
     lora_name: str
     lora_path: str
+    root: str = ""  # a runtime load's adapter root: its files must resolve inside it
 
 
 class NewRequestData(msgspec.Struct, kw_only=True):

@@ -85,7 +85,7 @@ class LoRARegistry:
         full = os.path.normpath(os.path.join(self.root, path))
         if os.path.commonpath([self.root, full]) != self.root or "\0" in path:
             raise LoRARegistryError(400, f"lora_path {path!r} is outside the adapter root")
-        return LoRARequest(lora_name=name, lora_path=full)
+        return LoRARequest(lora_name=name, lora_path=full, root=self.root)
 
     def add(self, lora: LoRARequest) -> None:
         self._adapters[lora.lora_name] = lora

@@ -8,6 +8,7 @@ the scheduler exports vLLM's lora_requests_info."""
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 import time
 import urllib.request
@@ -155,6 +156,18 @@ def test_runtime_load_mixed_batches_and_unload(lora_stack, client, adapters, smo
 def test_bad_loads_are_refused_with_the_reason(lora_stack, client, body, status, reason):
     r = post(lora_stack, "/v1/load_lora_adapter", body)
     assert r.status_code == status and reason in r.json()["error"]["message"], r.text
+    assert {m.id for m in client.models.list().data} == {MODEL, "sql"}
+
+
+def test_a_symlink_out_of_the_adapter_root_is_refused(lora_stack, client, adapters, tmp_path):
+    """The path is under the root as a string; the worker follows the symlink out of it."""
+    root, _ = adapters
+    outside = tmp_path / "outside"
+    shutil.copytree(root / "chat", outside)
+    (root / "escape").symlink_to(outside)
+    r = post(lora_stack, "/v1/load_lora_adapter", {"lora_name": "esc", "lora_path": "escape"})
+    assert r.status_code == 400, r.text
+    assert "leads outside the adapter root" in r.json()["error"]["message"]
     assert {m.id for m in client.models.list().data} == {MODEL, "sql"}
 
 

@@ -50,7 +50,9 @@ def test_lora_modules_parse_and_refuse_bad_items():
 
 def test_runtime_loads_stay_under_the_root():
     registry = LoRARegistry({"a": "/adapters/a"}, root="/srv/loras", reserved="base")
-    assert registry.resolve("b", "b") == LoRARequest(lora_name="b", lora_path="/srv/loras/b")
+    assert registry.resolve("b", "b") == LoRARequest(
+        lora_name="b", lora_path="/srv/loras/b", root="/srv/loras"
+    )
     assert registry.resolve("c", "/srv/loras/x/../c").lora_path == "/srv/loras/c"
     for name, path, status in (
         ("d", "../etc", 400),

@@ -16,12 +16,13 @@ from safetensors.torch import save_file
 
 from kernels import cpu_ops, ops, reference
 from kernels.lora_mapping import LoRAMapping
-from services.worker.lora.checkpoint import read_adapter
+from services.worker.lora.checkpoint import WEIGHTS_FILE, read_adapter
 from services.worker.lora.errors import LoRAError
 from services.worker.lora.slots import SlotTable
 from services.worker.lora.targets import module_shapes
 from services.worker.lora.weights import LoRAStep, ModuleLoRA
 from services.worker.model_config import ModelConfig
+from shared.wire import LoRARequest
 
 # q 4 heads x 8, k/v 2 heads x 8; 2 layers
 MC = ModelConfig(
@@ -45,6 +46,10 @@ MC = ModelConfig(
 )
 PREFIX = "base_model.model.model.layers"
 RANK = 4
+
+
+def _lora(path, root: Path | str = "") -> LoRARequest:
+    return LoRARequest(lora_name="a", lora_path=str(path), root=str(root))
 
 
 def valid_config(**overrides: Any) -> dict[str, Any]:
@@ -84,7 +89,7 @@ def write_adapter(
 
 
 def test_a_valid_adapter_has_its_scaling_folded_into_lora_b(tmp_path):
-    adapter = read_adapter("a", write_adapter(tmp_path), MC, max_rank=16, base_model="/m/tiny")
+    adapter = read_adapter(_lora(write_adapter(tmp_path)), MC, max_rank=16, base_model="/m/tiny")
     assert (adapter.rank, adapter.scaling) == (RANK, 2.0)
     assert set(adapter.weights) == {(1, "q_proj"), (0, "down_proj")}
     tensors = valid_tensors()
@@ -95,20 +100,20 @@ def test_a_valid_adapter_has_its_scaling_folded_into_lora_b(tmp_path):
 
 def test_rslora_scales_by_the_square_root_of_the_rank(tmp_path):
     path = write_adapter(tmp_path, valid_config(use_rslora=True, lora_alpha=6))
-    assert read_adapter("a", path, MC, max_rank=16).scaling == 6 / math.sqrt(RANK)
+    assert read_adapter(_lora(path), MC, max_rank=16).scaling == 6 / math.sqrt(RANK)
 
 
 def test_a_regex_target_is_read_off_the_tensors(tmp_path):
     path = write_adapter(tmp_path, valid_config(target_modules=r".*\.(q_proj|down_proj)"))
-    assert len(read_adapter("a", path, MC, max_rank=16).weights) == 2
+    assert len(read_adapter(_lora(path), MC, max_rank=16).weights) == 2
     all_linear = write_adapter(tmp_path / "all", valid_config(target_modules="all-linear"))
-    assert len(read_adapter("a", all_linear, MC, max_rank=16).weights) == 2
+    assert len(read_adapter(_lora(all_linear), MC, max_rank=16).weights) == 2
 
 
 def test_another_base_model_is_only_a_warning(tmp_path, caplog):
     path = write_adapter(tmp_path, valid_config(base_model_name_or_path="org/other-model"))
     with caplog.at_level(logging.WARNING, logger="skiff.worker"):
-        read_adapter("a", path, MC, max_rank=16, base_model="/models/tiny")
+        read_adapter(_lora(path), MC, max_rank=16, base_model="/models/tiny")
     assert "trained on org/other-model" in caplog.text
 
 
@@ -193,22 +198,22 @@ def test_an_adapter_the_worker_cannot_run_is_refused_with_its_reason(tmp_path, c
     config, tensors, reason = REFUSED[case]
     path = write_adapter(tmp_path, config, tensors)
     with pytest.raises(LoRAError, match=re.escape(reason)):
-        read_adapter("a", path, MC, max_rank=16)
+        read_adapter(_lora(path), MC, max_rank=16)
 
 
 def test_missing_and_unreadable_files_are_refused(tmp_path):
     with pytest.raises(LoRAError, match=r"no adapter_config\.json in"):
-        read_adapter("a", tmp_path / "nowhere", MC, max_rank=16)
+        read_adapter(_lora(tmp_path / "nowhere"), MC, max_rank=16)
     path = write_adapter(tmp_path / "a")
     (path / "adapter_model.safetensors").unlink()
     with pytest.raises(LoRAError, match=r"no adapter_model\.safetensors in"):
-        read_adapter("a", path, MC, max_rank=16)
+        read_adapter(_lora(path), MC, max_rank=16)
     (path / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(LoRAError, match="unreadable"):
-        read_adapter("a", path, MC, max_rank=16)
+        read_adapter(_lora(path), MC, max_rank=16)
     (path / "adapter_config.json").write_text("{")
     with pytest.raises(LoRAError, match="unreadable"):
-        read_adapter("a", path, MC, max_rank=16)
+        read_adapter(_lora(path), MC, max_rank=16)
 
 
 def test_slots_go_to_free_ones_then_to_the_least_recently_used():
@@ -257,3 +262,20 @@ def test_fused_slices_add_each_slice_update_to_its_own_outputs():
     reference.add_lora(expected, x, lora.lora_a, dense_b, slots)
     torch.testing.assert_close(y, expected)
     assert not lora.lora_a[0].any() and not lora.lora_b[0].any()
+
+
+def test_a_runtime_load_may_not_leave_the_adapter_root_through_a_symlink(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    write_adapter(outside)
+    (root / "escape").symlink_to(outside)  # the directory itself
+    inside = write_adapter(root / "inside")
+    (inside / WEIGHTS_FILE).unlink()
+    (inside / WEIGHTS_FILE).symlink_to(outside / WEIGHTS_FILE)  # one of its files
+    for path in (root / "escape", inside):
+        with pytest.raises(LoRAError, match="leads outside the adapter root"):
+            read_adapter(_lora(path, root), MC, max_rank=16)
+        read_adapter(_lora(path), MC, max_rank=16)  # --lora-modules: the operator's choice
+    write_adapter(root / "fine")
+    (root / "link").symlink_to(root / "fine")  # a symlink that stays inside is fine
+    assert read_adapter(_lora(root / "link", root), MC, max_rank=16).rank == RANK

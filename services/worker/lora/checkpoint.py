@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from services.worker.lora.errors import LoRAError
 from services.worker.lora.targets import TARGETS, target_shape
 from services.worker.model_config import ModelConfig
+from shared.wire import LoRARequest
 
 log = logging.getLogger("skiff.worker")
 
@@ -55,11 +56,13 @@ class LoRAAdapter:
 
 
 def read_adapter(
-    name: str, path: str | Path, mc: ModelConfig, max_rank: int, base_model: str = ""
+    lora: LoRARequest, mc: ModelConfig, max_rank: int, base_model: str = ""
 ) -> LoRAAdapter:
-    """The adapter at `path` for the model `mc` (whose checkpoint directory is `base_model`:
-    an adapter trained on another names it in base_model_name_or_path, a logged warning)."""
-    directory = Path(path)
+    """The adapter `lora` for the model `mc` (whose checkpoint directory is `base_model`: an
+    adapter trained on another names it in base_model_name_or_path, a logged warning)."""
+    name, directory = lora.lora_name, Path(lora.lora_path)
+    if lora.root:
+        _check_confined(directory, Path(lora.root))
     config = _read_config(directory)
     rank, scaling, targets = _check_config(config, max_rank)
     trained_on = config.get("base_model_name_or_path") or ""
@@ -69,6 +72,14 @@ def read_adapter(
         )
     weights = _read_weights(directory / WEIGHTS_FILE, mc, rank, scaling, targets)
     return LoRAAdapter(name, rank, scaling, weights)
+
+
+def _check_confined(directory: Path, root: Path) -> None:
+    """The checkpoint's directory and files, symlinks followed, lie inside `root`."""
+    real_root = root.resolve()
+    for path in (directory, directory / CONFIG_FILE, directory / WEIGHTS_FILE):
+        if not path.resolve().is_relative_to(real_root):
+            raise LoRAError(f"{path} leads outside the adapter root (a symlink out of it)")
 
 
 def _read_config(directory: Path) -> dict[str, Any]:

@@ -48,7 +48,7 @@ class LoRAManager:
 
     def check(self, lora: LoRARequest) -> None:
         """Read `lora` as `load` would, into no slot; raises `LoRAError`."""
-        read_adapter(lora.lora_name, lora.lora_path, self.mc, self.max_rank, self.model_dir)
+        read_adapter(lora, self.mc, self.max_rank, self.model_dir)
 
     def ensure_loaded(self, lora: LoRARequest, step: Collection[str] = ()) -> int:
         """The slot of `lora`, read into one first unless held (from the same directory),
@@ -61,9 +61,7 @@ class LoRAManager:
     def load(self, lora: LoRARequest, step: Collection[str] = ()) -> int:
         """Read `lora` into a slot (not one of the adapters named in `step`); its slot."""
         start = time.perf_counter()
-        adapter = read_adapter(
-            lora.lora_name, lora.lora_path, self.mc, self.max_rank, self.model_dir
-        )
+        adapter = read_adapter(lora, self.mc, self.max_rank, self.model_dir)
         slot = self.slots.claim(lora.lora_name, step)
         try:
             self.weights.write(slot, adapter)
