@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.sampler import Sampler, block_topk
+from services.worker.sampler.chunking import logsumexp_with_max
 from services.worker.sampler.logprobs import top_logprobs
 from services.worker.sampler.metadata import SamplingMetadata
 from services.worker.sampler.penalties import apply_penalties
@@ -473,6 +474,20 @@ def test_top_logprobs_match_a_full_pass(vocab):
         window_ids = block_topk.topk(x, min(vocab, max(num_top, 64)))[1][:, :num_top]
         want = torch.where(distinct.unsqueeze(1), top.indices, window_ids)
         assert torch.equal(got.token_ids[:, 1:], want)
+
+
+@pytest.mark.parametrize("vocab", [3, 300, 49155])
+def test_logsumexp_with_max_is_torch_logsumexp_bit_for_bit(vocab):
+    """Chunks of rows through one buffer (a short last chunk too), rows with -inf and +inf,
+    and the input left unchanged."""
+    x = torch.randn(45, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+    x[3] = NEG_INF  # nothing finite
+    x[4, 1:] = NEG_INF
+    x[5, 0] = float("inf")
+    before = x.clone()
+    got = logsumexp_with_max(x, x.amax(dim=1, keepdim=True))
+    assert torch.equal(got, x.logsumexp(dim=1, keepdim=True))
+    assert torch.equal(x, before)
 
 
 # ---- seeds --------------------------------------------------------------------------------
