@@ -437,6 +437,9 @@ def test_block_topk_and_argmax_match_torch(vocab, strided):
     x[3] = 0.5  # all tied
     x[4, -1] = 100.0  # maximum in the tail
     x[5, :: vocab // 7] = 50.0  # tied maxima: the first one wins
+    x[6, 128:192] = 10 + torch.arange(64) / 64  # the top 64 in one block, 8 sub-blocks
+    x[7, ::3] = 7.0  # ties spread over every sub-block, past k
+    x[8, -3:] = 60.0 + torch.arange(3)  # the top 3 past the last whole block and sub-block
     assert torch.equal(block_topk.argmax(x), x.argmax(dim=1))
     for k in (1, 5, 20, 65):
         values, ids = block_topk.topk(x, k)
