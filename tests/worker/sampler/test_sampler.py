@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.worker.input_batch import CachedRequestState, InputBatch
-from services.worker.sampler import Sampler, block_topk
+from services.worker.sampler import Sampler, block_topk, topk_topp
 from services.worker.sampler.chunking import logsumexp_with_max
 from services.worker.sampler.logprobs import top_logprobs
 from services.worker.sampler.metadata import SamplingMetadata
@@ -425,6 +425,60 @@ def test_small_kept_sets_sample_like_the_full_row():
     cut = compute_cutoffs(row.repeat(n, 1), meta.filters)
     assert cut.small is not None and len(cut.small.rows) == n
     assert _sample(filtered, row.repeat(n, 1)) == _sample(plain, masked.repeat(n, 1))
+
+
+def _wide_only(x, filters, divisor, monkeypatch):
+    """compute_cutoffs with the wide window for every row (the first window switched off)."""
+    with monkeypatch.context() as m:
+        m.setattr(topk_topp, "_FIRST", 10**9)
+        return compute_cutoffs(x, filters, divisor)
+
+
+@pytest.mark.parametrize("vocab", [10, 300, 49152, 49155])
+def test_first_window_decides_like_the_wide_window(vocab, monkeypatch):
+    """Rows served by the first window (min-p or top-k <= 16 drops its last value) next to rows
+    that need the wide one (top-p alone, flat rows, top-k past it, ties across its end), greedy
+    rows and a vocabulary smaller than either window: the same thresholds bit for bit, the
+    same small kept sets."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(14, vocab, generator=g) * 4  # peaked: min-p keeps a few tokens
+    x[1] *= 0.01  # flat: min-p keeps thousands
+    x[2, : min(vocab, 40)] = 30.0  # 40 tied maxima: across both windows' ends
+    x[3, : min(vocab, 17)] = 30.0 + torch.arange(min(vocab, 17)) / 64  # 17 kept by min-p
+    x[4, -20:] = 25.0  # tied in the tail past the last block
+    params = [
+        dict(min_p=0.05, top_k=50, top_p=0.9),
+        dict(min_p=0.05),
+        dict(min_p=0.5, top_k=20),
+        dict(min_p=0.1),
+        dict(top_k=16),
+        dict(top_p=0.99),  # top-p alone: the wide window, widened on flat rows
+        dict(top_k=300, min_p=0.2),  # a k past the first window
+        dict(top_k=3, top_p=0.5),
+        dict(temperature=0.0),  # greedy: no filter
+        dict(min_p=0.01, top_k=1000),
+        dict(top_k=17),
+        dict(min_p=1.0),
+        dict(temperature=3.0, min_p=0.05),
+        dict(temperature=0.3, top_p=0.999, top_k=70),
+    ]
+    reqs = [Req(SamplingParams(**{"temperature": 0.8, **p}), [1]) for p in params]
+    meta = make_metadata(reqs, vocab)
+    divisor = temperature_divisor(meta.temperature)
+    got = compute_cutoffs(x.clone(), meta.filters, divisor)
+    want = _wide_only(x.clone(), meta.filters, divisor, monkeypatch)
+    assert torch.equal(got.threshold, want.threshold)
+    assert (got.small is None) == (want.small is None)
+    if got.small is not None and want.small is not None:
+        assert torch.equal(got.small.rows, want.small.rows)
+        kept, kept_want = got.small.values.isfinite(), want.small.values.isfinite()
+        assert torch.equal(kept.sum(dim=1), kept_want.sum(dim=1))
+        assert torch.equal(got.small.values[kept], want.small.values[kept_want])
+        assert torch.equal(got.small.ids[kept], want.small.ids[kept_want])
+    tokens = _sample(reqs, x)
+    with monkeypatch.context() as m:
+        m.setattr(topk_topp, "_FIRST", 10**9)
+        assert _sample(reqs, x) == tokens
 
 
 @pytest.mark.parametrize("strided", [False, True])
