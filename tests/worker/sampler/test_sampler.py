@@ -21,7 +21,7 @@ from services.worker.sampler import Sampler, block_topk, topk_topp
 from services.worker.sampler.chunking import logsumexp_with_max
 from services.worker.sampler.logprobs import top_logprobs
 from services.worker.sampler.metadata import SamplingMetadata
-from services.worker.sampler.penalties import apply_penalties
+from services.worker.sampler.penalties import apply_penalties, output_counts
 from services.worker.sampler.random import position_uniforms
 from services.worker.sampler.sampler import apply_logit_processors
 from services.worker.sampler.topk_topp import compute_cutoffs, mask_below, temperature_divisor
@@ -425,6 +425,22 @@ def test_small_kept_sets_sample_like_the_full_row():
     cut = compute_cutoffs(row.repeat(n, 1), meta.filters)
     assert cut.small is not None and len(cut.small.rows) == n
     assert _sample(filtered, row.repeat(n, 1)) == _sample(plain, masked.repeat(n, 1))
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 128])
+def test_output_counts_match_a_counter(length):
+    """Runs of equal ids across prompt and output, ids only in the prompt, rows of one id."""
+    g = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, 5, (30, length), generator=g)
+    ids[:3] = 4  # one id throughout
+    is_output = torch.rand(30, length, generator=g) < 0.5
+    is_output[3] = False  # no output
+    is_output[4] = True  # all output
+    want = [
+        [Counter(t for t, out in zip(row, outs, strict=True) if out)[t] for t in row]
+        for row, outs in zip(ids.tolist(), is_output.tolist(), strict=True)
+    ]
+    assert output_counts(ids, is_output).tolist() == want
 
 
 def _wide_only(x, filters, divisor, monkeypatch):
