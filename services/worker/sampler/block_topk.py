@@ -46,7 +46,7 @@ def whole_rows(x: torch.Tensor, num_blocks: int) -> bool:
 
 
 def block_maxima(x: torch.Tensor) -> torch.Tensor:
-    """x: [r, vocab] -> [r, vocab // BLOCK] the maximum of each whole block."""
+    """x: [r, vocab] -> [r, vocab // 64] the maximum of each whole block of 64 tokens."""
     full = x.shape[1] - x.shape[1] % _BLOCK
     return torch.unflatten(x[:, :full], 1, (-1, _BLOCK)).amax(dim=2)
 
