@@ -97,8 +97,7 @@ def _allowed(
     sel = np.flatnonzero(cols.allowed_token_ids.has[rows])
     if not sel.size:
         return None
-    banned = cols.allowed_token_ids.unpack(rows[sel], vocab)
-    np.logical_not(banned, out=banned)
+    banned = cols.allowed_token_ids.non_members(rows[sel], vocab)
     return Allowed(_tensor(sel, device), _tensor(banned, device))
 
 

@@ -99,7 +99,7 @@ def _widen(arr: np.ndarray, width: int, repeat_first: bool) -> np.ndarray:
 
 class TokenMaskTable:
     """A token-id set per row as packed bits: a 45k-id whitelist costs 6 KB a row, and a step
-    unpacks the rows it needs into a [rows, vocab] bool mask in one call."""
+    unpacks the complement of the rows it needs into a [rows, vocab] bool mask in one call."""
 
     def __init__(self, num_rows: int) -> None:
         self.has = np.zeros(num_rows, dtype=bool)
@@ -120,6 +120,9 @@ class TokenMaskTable:
         self.has[dst] = self.has[src]
         self.bits[dst] = self.bits[src]
 
-    def unpack(self, rows: np.ndarray, vocab: int) -> np.ndarray:
-        """[r, vocab] bool membership of `rows` (ids past the stored width are not members)."""
-        return np.unpackbits(self.bits[rows], axis=1, count=vocab).view(bool)
+    def non_members(self, rows: np.ndarray, vocab: int) -> np.ndarray:
+        """[r, vocab] bool, True where an id is not in the row's set (ids past the stored
+        width are not), unpacked from the inverted bits: no second pass to negate."""
+        out = np.unpackbits(~self.bits[rows], axis=1, count=vocab).view(bool)
+        out[:, 8 * self.bits.shape[1] :] = True
+        return out

@@ -9,6 +9,7 @@ import numpy as np
 
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.sampling_columns import SamplingColumns
+from services.worker.token_tables import TokenMaskTable
 from shared.sampling_params import SamplingParams
 
 EVERYTHING = SamplingParams(
@@ -60,3 +61,18 @@ def test_greedy_rows_have_every_filter_off():
     batch.add_request(CachedRequestState("g", [1], greedy, [0], 0))
     cols = batch.sampling
     assert (cols.top_p[0], cols.top_k[0], cols.min_p[0]) == (1.0, 0, 0.0)
+
+
+def test_non_members_of_a_token_mask_table():
+    """The complement of each row's set: ids past the stored width, and a vocabulary shorter
+    than that width."""
+    table = TokenMaskTable(3)
+    table.set(0, [0, 5, 9])
+    table.set(1, [17])  # widens the bits: row 0 keeps its ids
+    for vocab in (7, 40):
+        got = table.non_members(np.array([1, 0]), vocab)
+        want = np.ones((2, vocab), dtype=bool)
+        want[0, [i for i in [17] if i < vocab]] = False
+        want[1, [i for i in [0, 5, 9] if i < vocab]] = False
+        assert got.shape == (2, vocab)
+        assert np.array_equal(got, want)

@@ -39,22 +39,37 @@ class Candidates:
         )
 
 
-def candidates(x: torch.Tensor, num_blocks: int) -> Candidates:
+def whole_rows(x: torch.Tensor, num_blocks: int) -> bool:
+    """Whether `candidates` takes x's whole rows ([r, vocab]): on a GPU, or where num_blocks
+    blocks would cover more than a quarter of a row."""
+    return x.is_cuda or 4 * num_blocks * _BLOCK > x.shape[1]
+
+
+def block_maxima(x: torch.Tensor) -> torch.Tensor:
+    """x: [r, vocab] -> [r, vocab // 64] the maximum of each whole block of 64 tokens."""
+    full = x.shape[1] - x.shape[1] % _BLOCK
+    return torch.unflatten(x[:, :full], 1, (-1, _BLOCK)).amax(dim=2)
+
+
+def candidates(x: torch.Tensor, num_blocks: int, maxima: torch.Tensor | None = None) -> Candidates:
     """x: [r, vocab] -> its num_blocks blocks with the largest maxima: they hold the row's
     num_blocks largest values and every value above `floor` (the smallest chosen maximum).
-    The whole row on a GPU or when the blocks would cover more than a quarter of it."""
+    The whole row where `whole_rows`. maxima: x's block_maxima, where already at hand."""
     vocab = x.shape[1]
-    if x.is_cuda or 4 * num_blocks * _BLOCK > vocab:
+    if whole_rows(x, num_blocks):
         return Candidates(x, None, vocab, x.new_full((len(x), 1), -math.inf))
     full = vocab - vocab % _BLOCK
-    maxima = torch.unflatten(x[:, :full], 1, (-1, _BLOCK)).amax(dim=2)  # [r, full / BLOCK]
+    maxima = block_maxima(x) if maxima is None else maxima  # [r, full / BLOCK]
     top = maxima.topk(num_blocks, dim=1)  # [r, num_blocks]
     return Candidates(_gather_blocks(x, top.indices, full), top.indices, full, top.values[:, -1:])
 
 
-def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [r, vocab] -> (values, ids) [r, k], descending, like x.topk(k, dim=1)."""
-    c = candidates(x, k)
+def topk(
+    x: torch.Tensor, k: int, maxima: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [r, vocab] -> (values, ids) [r, k], descending, like x.topk(k, dim=1). maxima: x's
+    block_maxima, where already at hand."""
+    c = candidates(x, k, maxima)
     values, picked = c.values.topk(k, dim=1)  # [r, k]
     return values, c.token_ids(picked)
 

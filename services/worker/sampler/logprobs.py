@@ -7,18 +7,18 @@ sampled token's (vLLM's rule), so ties share the worse rank.
 
 Both come from the 16 blocks (block_topk) with the largest maxima: the top values, and the
 rank of any token above the smallest of those maxima (nothing outside the blocks can count);
-other ranks take a pass over the row. The logsumexp is computed last, in place over the values
-(no [rows, vocab] temporary): the values are spent by then.
+other ranks take a pass over the row. The logsumexp runs a few rows at a time through a buffer
+that stays in cache (no [rows, vocab] temporary).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from services.worker.sampler.block_topk import Candidates, candidates, topk
+from services.worker.sampler.chunking import logsumexp_with_max
 
 _RANK_BLOCKS = 16  # blocks of 64 tokens searched for the top values and the sampled token's rank
 _TIE_WINDOW = 64
@@ -34,7 +34,7 @@ class TopLogprobs:
 def top_logprobs(
     values: torch.Tensor, token_ids: torch.Tensor, num_top: int, as_logprobs: torch.Tensor
 ) -> TopLogprobs:
-    """values: [r, vocab] fp32 logits, overwritten; token_ids: [r], as_logprobs: [r] bool ->
+    """values: [r, vocab] fp32 logits; token_ids: [r], as_logprobs: [r] bool ->
     TopLogprobs."""
     num_top = min(num_top, values.shape[1])
     cand = candidates(values, max(num_top + 1, _RANK_BLOCKS))
@@ -44,7 +44,7 @@ def top_logprobs(
     ids = torch.cat((token_ids.unsqueeze(1), head_ids[:, :num_top]), dim=1)
     ranks = _ranks(values, cand, chosen)
     if bool(as_logprobs.any()):
-        lse = logsumexp_(values, head[:, :1])
+        lse = logsumexp_with_max(values, head[:, :1])
         out = out - torch.where(as_logprobs.unsqueeze(1), lse, torch.zeros_like(lse))
     return TopLogprobs(ids, out, ranks)
 
@@ -63,14 +63,6 @@ def _head(
         width = min(values.shape[1], max(num_top, _TIE_WINDOW))
         ids[tied, :num_top] = topk(values[tied], width)[1][:, :num_top]
     return head, ids
-
-
-def logsumexp_(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-    """x: [r, vocab], row_max: [r, 1] its maxima -> [r, 1], bit for bit
-    x.logsumexp(dim=1, keepdim=True) (same steps as ATen's), computed in place: x is
-    overwritten."""
-    top = row_max.masked_fill(row_max.abs() == math.inf, 0.0)
-    return x.sub_(top).exp_().sum(dim=1, keepdim=True).log_().add_(top)
 
 
 def _ranks(values: torch.Tensor, cand: Candidates, chosen: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,10 @@ dividing the whole row first); full rows are divided only where they are needed 
 `temperature_divisor`).
 
 One window of each row's largest logits ([r, W], W = max(SMALL + 1, largest k), from
-block_topk) decides every filter (vLLM's rules):
+block_topk) decides every filter (vLLM's rules). A first, narrower window (FIRST + 1 values)
+serves the rows whose min-p (or a top-k <= FIRST) already drops its last value: no filter keeps
+anything past it, so it stands in for the wide window, padded with -inf, and decides the same
+thresholds bit for bit; the other rows take the wide window.
 - min-p keeps p_i >= min_p * p_max, i.e. x_i >= x_max + log(min_p);
 - top-k keeps x_i >= the k-th largest logit (ties with it are kept, as vLLM does);
 - top-p keeps, of what min-p and top-k left, the smallest descending prefix such that the mass
@@ -25,12 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.sampler.block_topk import topk
+from services.worker.sampler.block_topk import block_maxima, topk, whole_rows
 from services.worker.sampler.chunking import logsumexp_rows
 from services.worker.sampler.metadata import Filters
 from shared.sampling_params import is_greedy
 
 SMALL = 64  # rows keeping at most this many tokens sample from their topk window
+_FIRST = 16  # the first window holds FIRST + 1 values
 _GROWTH = 16
 _NEG_INF = float("-inf")
 
@@ -90,21 +94,45 @@ def compute_cutoffs(
     threshold = logits.new_full((n, 1), _NEG_INF)
     x = rows_of(logits, f.rows)
     d = None if divisor is None else rows_of(divisor, f.rows)  # [r, 1]
-    values, ids = topk(x, min(vocab, max(SMALL + 1, f.max_top_k)))  # [r, W] descending
-    values = divided(values, d)
-    thr = _min_p_top_k(values, f)
+    values, ids = _window(x, d, f, min(vocab, max(SMALL + 1, f.max_top_k)))  # [r, W]
+    thr = _min_p_top_k(values, f.min_p, f.top_k)
     if f.any_top_p:
         thr = torch.maximum(thr, _top_p(x, d, values, thr, f.top_p))
     threshold[f.rows] = thr
     return _small_sets(threshold, f.rows, values, ids, thr)
 
 
-def _min_p_top_k(values: torch.Tensor, f: Filters) -> torch.Tensor:
-    """[r, W] descending window -> [r, 1] threshold of min-p and top-k (-inf when off)."""
-    thr = values[:, :1] + f.min_p.log().unsqueeze(1)  # log(0) = -inf: min-p off
-    k = f.top_k.clamp(1, values.shape[1]).unsqueeze(1)
+def _window(
+    x: torch.Tensor, divisor: torch.Tensor | None, f: Filters, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [r, vocab] before temperature, divisor: [r, 1] -> each row's `width` largest logits,
+    divided, descending, and their ids ([r, width]); rows that the first window serves hold
+    its FIRST + 1 values, then -inf (ids 0)."""
+    first = min(width, _FIRST + 1)
+    maxima = None if whole_rows(x, first) else block_maxima(x)  # [r, vocab / 64], for both
+    values, ids = topk(x, first, maxima)  # [r, first]
+    values = divided(values, divisor)
+    if first == width:
+        return values, ids
+    top_k = torch.where(f.top_k <= first, f.top_k, 0)  # a larger k keeps past the window
+    wide = torch.nonzero(values[:, -1] >= _min_p_top_k(values, f.min_p, top_k)[:, 0])
+    values = torch.nn.functional.pad(values, (0, width - first), value=_NEG_INF)
+    ids = torch.nn.functional.pad(ids, (0, width - first))
+    if wide.numel():
+        wide = wide.squeeze(1)
+        more, more_ids = topk(x[wide], width, None if maxima is None else maxima[wide])
+        values[wide] = divided(more, None if divisor is None else divisor[wide])
+        ids[wide] = more_ids
+    return values, ids
+
+
+def _min_p_top_k(values: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """[r, W] descending window, [r] min-p and top-k (0: off) -> [r, 1] threshold of min-p and
+    top-k (-inf when off)."""
+    thr = values[:, :1] + min_p.log().unsqueeze(1)  # log(0) = -inf: min-p off
+    k = top_k.clamp(1, values.shape[1]).unsqueeze(1)
     kth = values.gather(1, k - 1)
-    return torch.where((f.top_k > 0).unsqueeze(1), torch.maximum(thr, kth), thr)
+    return torch.where((top_k > 0).unsqueeze(1), torch.maximum(thr, kth), thr)
 
 
 def _top_p(

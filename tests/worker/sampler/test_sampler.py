@@ -17,10 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.worker.input_batch import CachedRequestState, InputBatch
-from services.worker.sampler import Sampler, block_topk
+from services.worker.sampler import Sampler, block_topk, topk_topp
+from services.worker.sampler.chunking import logsumexp_with_max
 from services.worker.sampler.logprobs import top_logprobs
 from services.worker.sampler.metadata import SamplingMetadata
-from services.worker.sampler.penalties import apply_penalties
+from services.worker.sampler.penalties import apply_penalties, output_counts
 from services.worker.sampler.random import position_uniforms
 from services.worker.sampler.sampler import apply_logit_processors
 from services.worker.sampler.topk_topp import compute_cutoffs, mask_below, temperature_divisor
@@ -426,6 +427,76 @@ def test_small_kept_sets_sample_like_the_full_row():
     assert _sample(filtered, row.repeat(n, 1)) == _sample(plain, masked.repeat(n, 1))
 
 
+@pytest.mark.parametrize("length", [1, 2, 7, 128])
+def test_output_counts_match_a_counter(length):
+    """Runs of equal ids across prompt and output, ids only in the prompt, rows of one id."""
+    g = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, 5, (30, length), generator=g)
+    ids[:3] = 4  # one id throughout
+    is_output = torch.rand(30, length, generator=g) < 0.5
+    is_output[3] = False  # no output
+    is_output[4] = True  # all output
+    want = [
+        [Counter(t for t, out in zip(row, outs, strict=True) if out)[t] for t in row]
+        for row, outs in zip(ids.tolist(), is_output.tolist(), strict=True)
+    ]
+    assert output_counts(ids, is_output).tolist() == want
+
+
+def _wide_only(x, filters, divisor, monkeypatch):
+    """compute_cutoffs with the wide window for every row (the first window switched off)."""
+    with monkeypatch.context() as m:
+        m.setattr(topk_topp, "_FIRST", 10**9)
+        return compute_cutoffs(x, filters, divisor)
+
+
+@pytest.mark.parametrize("vocab", [10, 300, 49152, 49155])
+def test_first_window_decides_like_the_wide_window(vocab, monkeypatch):
+    """Rows served by the first window (min-p or top-k <= 16 drops its last value) next to rows
+    that need the wide one (top-p alone, flat rows, top-k past it, ties across its end), greedy
+    rows and a vocabulary smaller than either window: the same thresholds bit for bit, the
+    same small kept sets."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(14, vocab, generator=g) * 4  # peaked: min-p keeps a few tokens
+    x[1] *= 0.01  # flat: min-p keeps thousands
+    x[2, : min(vocab, 40)] = 30.0  # 40 tied maxima: across both windows' ends
+    x[3, : min(vocab, 17)] = 30.0 + torch.arange(min(vocab, 17)) / 64  # 17 kept by min-p
+    x[4, -20:] = 25.0  # tied in the tail past the last block
+    params = [
+        dict(min_p=0.05, top_k=50, top_p=0.9),
+        dict(min_p=0.05),
+        dict(min_p=0.5, top_k=20),
+        dict(min_p=0.1),
+        dict(top_k=16),
+        dict(top_p=0.99),  # top-p alone: the wide window, widened on flat rows
+        dict(top_k=300, min_p=0.2),  # a k past the first window
+        dict(top_k=3, top_p=0.5),
+        dict(temperature=0.0),  # greedy: no filter
+        dict(min_p=0.01, top_k=1000),
+        dict(top_k=17),
+        dict(min_p=1.0),
+        dict(temperature=3.0, min_p=0.05),
+        dict(temperature=0.3, top_p=0.999, top_k=70),
+    ]
+    reqs = [Req(SamplingParams(**{"temperature": 0.8, **p}), [1]) for p in params]
+    meta = make_metadata(reqs, vocab)
+    divisor = temperature_divisor(meta.temperature)
+    got = compute_cutoffs(x.clone(), meta.filters, divisor)
+    want = _wide_only(x.clone(), meta.filters, divisor, monkeypatch)
+    assert torch.equal(got.threshold, want.threshold)
+    assert (got.small is None) == (want.small is None)
+    if got.small is not None and want.small is not None:
+        assert torch.equal(got.small.rows, want.small.rows)
+        kept, kept_want = got.small.values.isfinite(), want.small.values.isfinite()
+        assert torch.equal(kept.sum(dim=1), kept_want.sum(dim=1))
+        assert torch.equal(got.small.values[kept], want.small.values[kept_want])
+        assert torch.equal(got.small.ids[kept], want.small.ids[kept_want])
+    tokens = _sample(reqs, x)
+    with monkeypatch.context() as m:
+        m.setattr(topk_topp, "_FIRST", 10**9)
+        assert _sample(reqs, x) == tokens
+
+
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("vocab", [300, 1000, 4096, 5000, 49155])
 def test_block_topk_and_argmax_match_torch(vocab, strided):
@@ -436,6 +507,9 @@ def test_block_topk_and_argmax_match_torch(vocab, strided):
     x[3] = 0.5  # all tied
     x[4, -1] = 100.0  # maximum in the tail
     x[5, :: vocab // 7] = 50.0  # tied maxima: the first one wins
+    x[6, 128:192] = 10 + torch.arange(64) / 64  # the top 64 in one block, 8 sub-blocks
+    x[7, ::3] = 7.0  # ties spread over every sub-block, past k
+    x[8, -3:] = 60.0 + torch.arange(3)  # the top 3 past the last whole block and sub-block
     assert torch.equal(block_topk.argmax(x), x.argmax(dim=1))
     for k in (1, 5, 20, 65):
         values, ids = block_topk.topk(x, k)
@@ -473,6 +547,20 @@ def test_top_logprobs_match_a_full_pass(vocab):
         window_ids = block_topk.topk(x, min(vocab, max(num_top, 64)))[1][:, :num_top]
         want = torch.where(distinct.unsqueeze(1), top.indices, window_ids)
         assert torch.equal(got.token_ids[:, 1:], want)
+
+
+@pytest.mark.parametrize("vocab", [3, 300, 49155])
+def test_logsumexp_with_max_is_torch_logsumexp_bit_for_bit(vocab):
+    """Chunks of rows through one buffer (a short last chunk too), rows with -inf and +inf,
+    and the input left unchanged."""
+    x = torch.randn(45, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+    x[3] = NEG_INF  # nothing finite
+    x[4, 1:] = NEG_INF
+    x[5, 0] = float("inf")
+    before = x.clone()
+    got = logsumexp_with_max(x, x.amax(dim=1, keepdim=True))
+    assert torch.equal(got, x.logsumexp(dim=1, keepdim=True))
+    assert torch.equal(x, before)
 
 
 # ---- seeds --------------------------------------------------------------------------------
