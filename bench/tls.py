@@ -84,6 +84,12 @@ class TlsResult:
     def ratio(self) -> float:
         return statistics.median(self.pair_ratios())
 
+    def cpu_ratio(self) -> float:
+        """CPU per output token, all processes, off / on: the throughput ratio of a machine
+        the stack keeps busy, free of the wall-clock noise of others' load."""
+        on, off = (sum(self.cpu_ms_per_token[k].values()) for k in ("on", "off"))
+        return off / on
+
     def report(self) -> list[str]:
         """The runs, the pair ratios and each stack's mean step, then the ratio line."""
         lines = [f"{'run':>3} {'NATS':<5} {'output tok/s':>12} {'elapsed s':>9}"]
@@ -104,6 +110,7 @@ class TlsResult:
                 f"mean step, NATS TLS {name}: "
                 + ", ".join(f"{label} {value:.2f}" for label, value in step.items())
             )
+        lines.append(f"CPU per output token ratio off / on: {self.cpu_ratio():.3f}")
         lines.append(self.ratio_line())
         return lines
 
@@ -111,7 +118,8 @@ class TlsResult:
         return f"served throughput ratio NATS TLS on / off: {self.ratio():.2f}"
 
     def as_json(self) -> dict[str, Any]:
-        return {**asdict(self), "pair_ratios": self.pair_ratios(), "ratio": self.ratio()}
+        ratios = {"pair_ratios": self.pair_ratios(), "cpu_ratio": self.cpu_ratio()}
+        return {**asdict(self), **ratios, "ratio": self.ratio()}
 
 
 def turns(rounds: int) -> list[bool]:
@@ -149,12 +157,11 @@ def start_pair(model_dir: str, first: bool, log_dir: Path, up: contextlib.ExitSt
 async def run_round(
     stacks: Stacks, prompts: list[list[int]], outputs: list[int], limit: int
 ) -> tuple[list[TlsRun], dict[bool, dict[str, float]]]:
-    """Warm each stack up (a batch of short requests), then one round of turns; the runs and
+    """Warm each stack up (every prompt, 2 tokens each), then one round of turns; the runs and
     the CPU seconds each stack's processes used over them."""
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
-        for stack in stacks.values():
-            few = prompts[: min(limit, 4)]
-            await run_at(client, stack.url, few, [4] * len(few), len(few))
+        for stack in stacks.values():  # the workload's prefill and batch shapes, once
+            await run_at(client, stack.url, prompts, [2] * len(prompts), limit)
         before = {tls: stack_cpu_seconds(stack) for tls, stack in stacks.items()}
         runs = []
         for tls in turns(1):
