@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds of off, on, on, off")
     p.add_argument("--concurrency", type=int, help="requests in flight (default: all)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "tls.json"))
-    args = p.parse_args(argv)
+    args_given = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(args_given)
     from bench import roofline
     from services.worker.gguf_convert import ensure_default_model
     from shared.tokenizer import Tokenizer
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("\n".join(result.report()))
     report = {
-        "command": "python -m bench.tls " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": shlex.join(["python", "-m", "bench.tls", *args_given]),
         "cpu": cpu,
         "load_average_1m": {"before": load_before, "after": load_after},
         **result.as_json(),
