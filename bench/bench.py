@@ -5,9 +5,10 @@ number: the machine is shared and noisy. Sections: the offline engine vs transfo
 batches, single-request decode speed, llama.cpp's `llama-server` on the same workload through
 the same client at each --llama-cpp-slots and its `llama-bench` single-stream decode
 (--no-llama-cpp skips it; built once, see bench/llamacpp.py), the HTTP path through a real
-stack (--no-served skips it), the sampler's cost per step (--no-sampler skips it) and LoRA
-adapters (bench/lora.py, --no-lora skips it). The
-machine's fp32 GEMM GFLOP/s and memory bandwidth are measured in the same run.
+stack (--no-served skips it), the sampler's cost per step (--no-sampler skips it), LoRA
+adapters (bench/lora.py, --no-lora skips it) and the served path with NATS TLS on against off
+(bench/tls.py, --no-tls skips it). The machine's fp32 GEMM GFLOP/s and memory bandwidth are
+measured in the same run.
 Writes bench/results/cpu-<family>.json and cpu-<family>.txt (what it printed), one pair per CPU
 family (`roofline.family_slug`: vendor, brand, AMD's Zen generation, widest extension tier,
 e.g. cpu-intel-xeon-amx, cpu-amd-epyc-zen4-avx512), cpu-throughput.png (output throughput
@@ -23,7 +24,8 @@ at its best slot count), `single-stream ratio vs llama.cpp: X.XX` (skiff's decod
 request, prefill excluded as llama-bench's tg64 excludes it / llama-bench tg64; the two take
 turns three times and each keeps its best) and `throughput ratio vs transformers: X.XX`, after
 a `cpu: ...` line naming the CPU, its extensions and the ISA of skiff's C++ kernels, with
-`lora throughput ratio 16 adapters / base: X.XX` before the last.
+`lora throughput ratio 16 adapters / base: X.XX` and `served throughput ratio NATS TLS on / off:
+X.XX` before the last.
 """
 
 from __future__ import annotations
@@ -163,6 +165,12 @@ def main() -> None:
         dest="lora",
         action="store_false",
         help="skip the LoRA section (the workload over 1, 4 and 16 adapters vs base only)",
+    )
+    p.add_argument(
+        "--no-tls",
+        dest="tls",
+        action="store_false",
+        help="skip the served workload with NATS TLS on against off (two stacks, in turns)",
     )
     p.add_argument(
         "--no-llama-cpp",
@@ -321,6 +329,12 @@ def run(args: argparse.Namespace, out: Path) -> None:
 
         lora = lora_bench.run(prompts, outputs)
 
+    tls = None
+    if args.tls:
+        from bench import tls as tls_bench
+
+        tls = tls_bench.run(model_dir, prompts, outputs)
+
     sampler: tuple[list[SamplerRow], DecodeShare] | None = None
     if args.sampler:
         from bench.sampler_bench import report, run_sampler_bench
@@ -347,6 +361,9 @@ def run(args: argparse.Namespace, out: Path) -> None:
     if sampler:
         print("\nsampler per step (batched vs a naive per-request loop, same run):")
         report(*sampler)
+    if tls:
+        print("\nserved workload, NATS TLS on against off (bench/tls.py):")
+        print("\n".join(tls.report()[:-1]))
     out.write_text(
         json.dumps(
             {
@@ -368,6 +385,7 @@ def run(args: argparse.Namespace, out: Path) -> None:
                 "long_prompts": long.as_json() if long else None,
                 "sampler": [*sampler[0], sampler[1]] if sampler else None,
                 "lora": lora,
+                "tls": tls.as_json() if tls else None,
             },
             indent=2,
         )
@@ -384,6 +402,8 @@ def run(args: argparse.Namespace, out: Path) -> None:
         print(line)
     if lora:
         print(f"lora throughput ratio 16 adapters / base: {lora['16 adapters / base']:.2f}")
+    if tls:
+        print(tls.ratio_line())
     print(f"throughput ratio vs transformers: {rows[0][1] / best_hf:.2f}")
 
 

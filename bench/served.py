@@ -101,9 +101,26 @@ async def stream_completion(
     return start, stamps, tokens
 
 
-def _histogram_means(metrics_url: str) -> dict[str, float]:
-    """Mean of each skiff_* histogram (sum / count) from a Prometheus text page."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+def served_stack(model_dir: str, nats_tls: bool = True, log_dir: str = "/tmp/skiff-bench") -> Stack:
+    """A stack (not started) serving `model_dir` as "bench" on one CPU worker, prefix caching
+    off (runs repeat the same prompts: none may find an earlier run's KV cached), its
+    scheduler's metrics on a port of its own; `nats_tls` as the stack's."""
+    return Stack(
+        StackConfig(
+            RunnerConfig(model_dir=model_dir),
+            GatewayConfig(served_model_name="bench", port=free_port()),
+            scheduler=SchedulerConfig(enable_prefix_caching=False),
+            scheduler_service=SchedulerServiceConfig(metrics_port=free_port()),
+            nats_tls=nats_tls,
+            log_dir=log_dir,
+        )
+    )
+
+
+def histogram_means(stack: Stack) -> dict[str, float]:
+    """Mean of each skiff_* histogram (sum / count) on the stack's scheduler metrics page."""
+    port = stack.config.scheduler_service.metrics_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
     for line in text.splitlines():
@@ -150,18 +167,7 @@ def run_served(
     `by_concurrency`) and the latency samples of each concurrency; `nats_tls` as the stack's
     (on by default, as `skiff serve` runs)."""
     concurrencies = sorted(concurrencies or [len(prompts)])
-    metrics_port = free_port()
-    stack = Stack(
-        StackConfig(
-            RunnerConfig(model_dir=model_dir),
-            GatewayConfig(served_model_name="bench", port=free_port()),
-            # every concurrency runs the same prompts: none may find the last run's KV cached
-            scheduler=SchedulerConfig(enable_prefix_caching=False),
-            scheduler_service=SchedulerServiceConfig(metrics_port=metrics_port),
-            nats_tls=nats_tls,
-            log_dir="/tmp/skiff-bench",
-        )
-    )
+    stack = served_stack(model_dir, nats_tls)
     stack.start()
     runs: dict[int, tuple[float, list[tuple[float, list[float], int]]]] = {}
     try:
@@ -175,7 +181,7 @@ def run_served(
                     runs[limit] = await run_at(client, stack.url, prompts, outputs, limit)
 
         asyncio.run(run())
-        steps = _histogram_means(f"http://127.0.0.1:{metrics_port}/metrics")
+        steps = histogram_means(stack)
     finally:
         stack.stop()
     samples: Samples = {}
