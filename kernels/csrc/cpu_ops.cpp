@@ -54,7 +54,7 @@ using skiff_cpu::WeightFormat;
 
 constexpr int64_t kTokensPerChunk = 64;  // rows of x kept in cache while the weight streams
 constexpr int64_t kLoRAPanels = 4;       // output panels of one LoRA expand work item
-constexpr int64_t kLoRARows = 32;        // tokens of one LoRA shrink work item
+constexpr int64_t kLoRARows = 16;        // tokens of one LoRA shrink work item (of a slice)
 
 bool is_fp32_cpu(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat;
@@ -260,7 +260,7 @@ std::vector<LoRAChunk> lora_chunks(at::IntArrayRef slice_sizes, int64_t N, int64
 // (-1: none). lora_a [S, n R, K] holds A_i in rows [i R, (i + 1) R); lora_b
 // [S, sum_i ceil(N_i / 16), R, 16] each B_i in panels (pack_panels), slice after slice: a fused
 // projection's expand reads no zero blocks. Each slot's tokens are gathered; the shrink runs
-// linear_rows (K a multiple of 16) per slice on pieces of tokens, the expand the panel kernel
+// linear_rows (K a multiple of 16) per slice and piece of 16 tokens, the expand the panel kernel
 // (broadcast x, no horizontal sums over the short R) on chunks of a slice's panels, each
 // spread over the threads. Each output is one token's chains alone: its bits do not depend on
 // the other tokens.
@@ -295,14 +295,15 @@ void add_lora_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
   for (int64_t t = 0; t < x.size(0); ++t)
     if (slot_of[t] >= 0) order[next[slot_of[t]]++] = t;
   std::vector<int64_t> used;  // the slots with tokens
-  std::vector<std::pair<int64_t, int64_t>> pieces;  // the shrink's work: (slot, first row)
+  std::vector<std::array<int64_t, 3>> pieces;  // the shrink's work: (slot, first row, slice)
   int64_t max_rows = 0;
   for (int64_t s = 0; s < num_slots; ++s) {
     const int64_t m = start[s + 1] - start[s];
     if (m == 0) continue;
     used.push_back(s);
     max_rows = std::max(max_rows, m);
-    for (int64_t i = 0; i < m; i += kLoRARows) pieces.emplace_back(s, i);
+    for (int64_t i = 0; i < m; i += kLoRARows)
+      for (int64_t j = 0; j < n; ++j) pieces.push_back({s, i, j});
   }
   const auto& k = skiff_cpu::kernels();
   const float *xs = x.data_ptr<float>(), *as = lora_a.data_ptr<float>();
@@ -311,13 +312,12 @@ void add_lora_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
   at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> gathered(kLoRARows * K);
     for (int64_t p = begin; p < end; ++p) {
-      const auto [s, i0] = pieces[p];
+      const auto [s, i0, j] = pieces[p];
       const int64_t m = start[s + 1] - start[s], rows = std::min(kLoRARows, m - i0);
       for (int64_t i = 0; i < rows; ++i)
         std::copy_n(xs + order[start[s] + i0 + i] * K, K, gathered.data() + i * K);
-      for (int64_t i = 0; i < n; ++i)
-        k.linear_rows(gathered.data(), as + (s * n + i) * R * K, WeightFormat::kFloat32,
-                      nullptr, shrunk.data() + (start[s] * n + i * m + i0) * R, rows, K, R, 0, R);
+      k.linear_rows(gathered.data(), as + (s * n + j) * R * K, WeightFormat::kFloat32, nullptr,
+                    shrunk.data() + (start[s] * n + j * m + i0) * R, rows, K, R, 0, R);
     }
   });
   const int64_t C = static_cast<int64_t>(chunks.size()), P = lora_b.size(1);

@@ -548,7 +548,7 @@ def test_ops_linear_routes_q8_panels_to_the_q8_kernel():
     )
 
 
-# (tokens, in, slice outputs, rank, slots): an adapter's tokens over several 32-row shrink
+# (tokens, in, slice outputs, rank, slots): an adapter's tokens over several 16-row shrink
 # pieces, a slice's outputs over several 4-panel expand chunks and partial panels; ranks 8 and
 # 16; one slice, GQA's q | k | v (uneven: 6 query heads, 2 KV heads), gate | up
 LORA_SHAPES = [
