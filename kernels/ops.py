@@ -9,6 +9,8 @@ Kernel modules are imported on first use, so the CPU path never imports Triton.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.nn import functional as F
 
@@ -73,14 +75,18 @@ def add_lora(
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     mapping: LoRAMapping,
+    slice_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """y [num_tokens, out] += each token's adapter update lora_b[s] @ lora_a[s] @ x[t], in
-    place; lora_a [num_slots, rank, in], lora_b [num_slots, out, rank], or on the CPU its
-    panels [num_slots, ceil(out / 16), rank, 16] (`cpu_lora_panels`); tokens without an
-    adapter keep their bits. Triton (kernels/lora.py): one program per token, shrink then
-    expand over mapping.token_lora_indices. Otherwise each adapter's tokens are multiplied
-    together (by the C++ CPU op with panels), so a token's result does not depend on which
-    other adapters share the step."""
+    place; lora_a [num_slots, rank, in], lora_b [num_slots, out, rank], or on the CPU
+    (`cpu_lora_panels`) per slice of `slice_sizes` (the outputs of each fused slice, adding
+    up to out; None: one slice): lora_a [num_slots, n rank, in], slice i's rows
+    [i rank, (i + 1) rank), and lora_b panels [num_slots, sum(ceil(slice / 16)), rank, 16],
+    each slice's [slice, rank] packed by `cpu_ops.pack_panels`, slice after slice. Tokens
+    without an adapter keep their bits. Triton (kernels/lora.py): one program per token,
+    shrink then expand over mapping.token_lora_indices. Otherwise each adapter's tokens are
+    multiplied together (by the C++ CPU op with panels), so a token's result does not depend
+    on which other adapters share the step."""
     if use_triton(x):
         if not mapping.active:
             return y
@@ -88,7 +94,8 @@ def add_lora(
 
         return kernel.add_lora(y, x, lora_a, lora_b, mapping.token_lora_indices)
     if lora_b.dim() == 4:  # panels: the C++ op's
-        torch.ops.skiff_cpu.add_lora(y, x.contiguous(), lora_a, lora_b, mapping.token_slots)
+        sizes = list(slice_sizes or (y.shape[1],))
+        torch.ops.skiff_cpu.add_lora(y, x.contiguous(), lora_a, lora_b, mapping.token_slots, sizes)
         return y
     for slot, rows in mapping.groups:
         shrunk = x.index_select(0, rows) @ lora_a[slot].t()  # [n, rank]
@@ -98,8 +105,8 @@ def add_lora(
 
 def cpu_lora_panels(device: torch.device, dtype: torch.dtype, in_features: int) -> bool:
     """Adapter weights of a projection with `in_features` inputs go to `skiff_cpu::add_lora`
-    (their lora_b in panels, `cpu_ops.pack_panels`): fp32 on the CPU with the C++ ops, inputs
-    in multiples of 16."""
+    (their lora_b in panels per slice, `cpu_ops.pack_panels`): fp32 on the CPU with the C++
+    ops, inputs in multiples of 16."""
     return (
         device.type == "cpu" and dtype == torch.float32 and in_features % 16 == 0 and cpu_ops.load()
     )

@@ -19,10 +19,10 @@
 //   rotary, KV-cache write, paged attention read straight from the cache through the block
 //   table, output projection, residual add + RMSNorm, gate/up projection, SiLU-and-mul, down
 //   projection; with LoRA adapters, each projection adds its tokens' adapter updates;
-// - add_lora(y, x, lora_a, lora_b_panels, slots): y += each token's adapter update
-//   lora_b[s] @ (lora_a[s] @ x[t]), s = slots[t] (-1: none), lora_b in panels of 16 outputs;
-//   the tokens of one adapter multiplied together with the linear kernels (a token's bits do
-//   not depend on the others);
+// - add_lora(y, x, lora_a, lora_b_panels, slots, slice_sizes): y += each token's adapter
+//   update lora_b[s] @ (lora_a[s] @ x[t]), s = slots[t] (-1: none), per fused slice (q, k, v;
+//   gate, up), lora_b in panels of 16 outputs of a slice; the tokens of one adapter multiplied
+//   together with the linear kernels (a token's bits do not depend on the others);
 // - paged_attention(...): causal attention of a step's tokens (decode and prefill chunks)
 //   against the paged cache, read in place through the block table: a decode token reads its
 //   context once for its query heads, a prefill chunk once per tile of its tokens;
@@ -36,6 +36,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <numeric>
 #include <string>
@@ -53,7 +54,7 @@ using skiff_cpu::WeightFormat;
 
 constexpr int64_t kTokensPerChunk = 64;  // rows of x kept in cache while the weight streams
 constexpr int64_t kLoRAPanels = 4;       // output panels of one LoRA expand work item
-constexpr int64_t kLoRARows = 32;        // tokens of one LoRA shrink work item
+constexpr int64_t kLoRARows = 16;        // tokens of one LoRA shrink work item (of a slice)
 
 bool is_fp32_cpu(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat;
@@ -222,85 +223,136 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
-// y [T, N] += lora_b[s] [N, R] @ (lora_a[s] [R, K] @ x[t]) for each token t of an adapter slot
-// s = slots[t] (-1: none), lora_b as panels [S, ceil(N / 16), R, 16] (pack_panels per slot).
-// Each slot's tokens are gathered; the shrink runs linear_rows (K a multiple of 16) in
-// pieces of tokens, the expand the panel kernel (broadcast x, no horizontal sums over the
-// short R) in chunks of panels; each spread over the threads.
+// One fused slice of a projection's adapters: outputs [out0, out0 + width) of y, rows
+// [index R, (index + 1) R) of lora_a, panels [panel0, panel0 + ceil(width / 16)) of lora_b.
+struct LoRASlice {
+  int64_t index, out0, width, panel0;
+};
+
+// One LoRA expand work item: a slice's panels [p0, p1) (counted from the slice's first).
+struct LoRAChunk {
+  LoRASlice slice;
+  int64_t p0, p1;
+};
+
+// The expand's chunks of up to kLoRAPanels panels of each slice of `slice_sizes`, checked
+// against y's N outputs and lora_b's P panels.
+std::vector<LoRAChunk> lora_chunks(at::IntArrayRef slice_sizes, int64_t N, int64_t P) {
+  std::vector<LoRAChunk> chunks;
+  int64_t out0 = 0, panel0 = 0;
+  for (size_t i = 0; i < slice_sizes.size(); ++i) {
+    const int64_t width = slice_sizes[i], panels = (width + kPanel - 1) / kPanel;
+    TORCH_CHECK(width > 0, "add_lora: slice sizes are positive");
+    const LoRASlice slice{static_cast<int64_t>(i), out0, width, panel0};
+    for (int64_t p = 0; p < panels; p += kLoRAPanels)
+      chunks.push_back({slice, p, std::min(panels, p + kLoRAPanels)});
+    out0 += width;
+    panel0 += panels;
+  }
+  TORCH_CHECK(out0 == N && panel0 == P,
+              "add_lora: the slice sizes add up to y's outputs and lora_b holds "
+              "sum(ceil(slice / 16)) panels");
+  return chunks;
+}
+
+// y [T, N] += B_i[s] [N_i, R] @ (A_i[s] [R, K] @ x[t]) on slice i's outputs, for each slice i
+// of `slice_sizes` (N_i, adding up to N) and each token t of an adapter slot s = slots[t]
+// (-1: none). lora_a [S, n R, K] holds A_i in rows [i R, (i + 1) R); lora_b
+// [S, sum_i ceil(N_i / 16), R, 16] each B_i in panels (pack_panels), slice after slice: a fused
+// projection's expand reads no zero blocks. Each slot's tokens are gathered; the shrink runs
+// linear_rows (K a multiple of 16) per slice and piece of 16 tokens, the expand the panel kernel
+// (broadcast x, no horizontal sums over the short R) on chunks of a slice's panels, each
+// spread over the threads. Each output is one token's chains alone: its bits do not depend on
+// the other tokens.
 void add_lora_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
-                   const at::Tensor& lora_b, const at::Tensor& slots) {
+                   const at::Tensor& lora_b, const at::Tensor& slots,
+                   at::IntArrayRef slice_sizes) {
   const at::Tensor& out = y;
   for (const at::Tensor* t : {&out, &x, &lora_a, &lora_b})
     TORCH_CHECK(is_fp32_cpu(*t) && t->is_contiguous(), "add_lora: contiguous fp32 CPU tensors");
   TORCH_CHECK(slots.scalar_type() == at::kInt && slots.is_contiguous() &&
                   slots.size(0) == x.size(0),
               "add_lora: slots are int32, one per token");
-  const int64_t num_slots = lora_a.size(0), R = lora_a.size(1), K = lora_a.size(2);
-  const int64_t N = y.size(1), num_panels = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && y.dim() == 2 && y.size(0) == x.size(0) &&
-                  lora_b.dim() == 4 && lora_b.size(0) == num_slots &&
-                  lora_b.size(1) == num_panels && lora_b.size(2) == R && lora_b.size(3) == kPanel,
-              "add_lora: y [T, N], x [T, K], lora_a [S, R, K], lora_b [S, ceil(N / 16), R, 16]");
+  const int64_t n = static_cast<int64_t>(slice_sizes.size());
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && y.size(0) == x.size(0) && lora_a.dim() == 3 &&
+                  lora_b.dim() == 4 && lora_b.size(0) == lora_a.size(0) &&
+                  lora_a.size(1) == n * lora_b.size(2) && lora_a.size(2) == x.size(1) &&
+                  lora_b.size(3) == kPanel,
+              "add_lora: y [T, N], x [T, K], lora_a [S, n R, K], lora_b panels [S, P, R, 16] "
+              "for n slices");
+  const int64_t num_slots = lora_a.size(0), K = x.size(1), R = lora_b.size(2), N = y.size(1);
   TORCH_CHECK(K % 16 == 0, "add_lora: the input size must be a multiple of 16");
+  const auto chunks = lora_chunks(slice_sizes, N, lora_b.size(1));
+  // Each slot's tokens in token order: order[start[s] .. start[s + 1]).
   const int32_t* slot_of = slots.data_ptr<int32_t>();
-  std::vector<std::vector<int64_t>> rows(num_slots);
+  std::vector<int64_t> start(num_slots + 1, 0);
   for (int64_t t = 0; t < x.size(0); ++t) {
     TORCH_CHECK(slot_of[t] < num_slots, "add_lora: a slot index is out of range");
-    if (slot_of[t] >= 0) rows[slot_of[t]].push_back(t);
+    if (slot_of[t] >= 0) ++start[slot_of[t] + 1];
   }
-  std::vector<int64_t> used;
-  for (int64_t s = 0; s < num_slots; ++s)
-    if (!rows[s].empty()) used.push_back(s);
-  const int64_t G = static_cast<int64_t>(used.size());
+  std::partial_sum(start.begin(), start.end(), start.begin());
+  std::vector<int64_t> order(start[num_slots]), next(start.begin(), start.end() - 1);
+  for (int64_t t = 0; t < x.size(0); ++t)
+    if (slot_of[t] >= 0) order[next[slot_of[t]]++] = t;
+  std::vector<int64_t> used;  // the slots with tokens
+  std::vector<std::array<int64_t, 3>> pieces;  // the shrink's work: (slot, first row, slice)
+  int64_t max_rows = 0;
+  for (int64_t s = 0; s < num_slots; ++s) {
+    const int64_t m = start[s + 1] - start[s];
+    if (m == 0) continue;
+    used.push_back(s);
+    max_rows = std::max(max_rows, m);
+    for (int64_t i = 0; i < m; i += kLoRARows)
+      for (int64_t j = 0; j < n; ++j) pieces.push_back({s, i, j});
+  }
   const auto& k = skiff_cpu::kernels();
   const float *xs = x.data_ptr<float>(), *as = lora_a.data_ptr<float>();
-  const float* bs = lora_b.data_ptr<float>();
-  std::vector<std::vector<float>> shrunk(G), expanded(G);  // [m, R], [m, N] per used slot
-  std::vector<std::pair<int64_t, int64_t>> pieces;  // (slot group, first row): the shrink's work
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t m = static_cast<int64_t>(rows[used[g]].size());
-    shrunk[g].resize(m * R);
-    expanded[g].resize(m * N);
-    for (int64_t i = 0; i < m; i += kLoRARows) pieces.emplace_back(g, i);
-  }
+  // The shrink's results: slot s's m tokens at start[s] n R, as [n, m, R].
+  std::vector<float> shrunk(order.size() * n * R);
   at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> gathered(kLoRARows * K);
     for (int64_t p = begin; p < end; ++p) {
-      const auto [g, i0] = pieces[p];
-      const auto& r = rows[used[g]];
-      const int64_t m = std::min<int64_t>(kLoRARows, static_cast<int64_t>(r.size()) - i0);
-      for (int64_t i = 0; i < m; ++i) std::copy_n(xs + r[i0 + i] * K, K, gathered.data() + i * K);
-      k.linear_rows(gathered.data(), as + used[g] * R * K, WeightFormat::kFloat32, nullptr,
-                    shrunk[g].data() + i0 * R, m, K, R, 0, R);
+      const auto [s, i0, j] = pieces[p];
+      const int64_t m = start[s + 1] - start[s], rows = std::min(kLoRARows, m - i0);
+      for (int64_t i = 0; i < rows; ++i)
+        std::copy_n(xs + order[start[s] + i0 + i] * K, K, gathered.data() + i * K);
+      k.linear_rows(gathered.data(), as + (s * n + j) * R * K, WeightFormat::kFloat32, nullptr,
+                    shrunk.data() + (start[s] * n + j * m + i0) * R, rows, K, R, 0, R);
     }
   });
-  const int64_t chunks = (num_panels + kLoRAPanels - 1) / kLoRAPanels;
+  const int64_t C = static_cast<int64_t>(chunks.size()), P = lora_b.size(1);
+  const float* bs = lora_b.data_ptr<float>();
   float* ys = y.data_ptr<float>();
-  at::parallel_for(0, G * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t g = i / chunks, p0 = (i % chunks) * kLoRAPanels;
-      const int64_t p1 = std::min(num_panels, p0 + kLoRAPanels);
-      const int64_t n0 = p0 * kPanel, n1 = std::min(N, p1 * kPanel);
-      const auto& r = rows[used[g]];
-      const int64_t m = static_cast<int64_t>(r.size());
-      float* update = expanded[g].data();
-      k.linear_panels(shrunk[g].data(), bs + used[g] * num_panels * R * kPanel,
-                      WeightFormat::kFloat32, nullptr, update, m, R, N, p0, p1);
-      for (int64_t j = 0; j < m; ++j)
-        for (int64_t n = n0; n < n1; ++n) ys[r[j] * N + n] += update[j * N + n];
+  at::parallel_for(0, static_cast<int64_t>(used.size()) * C, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> update(max_rows * kLoRAPanels * kPanel);  // [m, cols]
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t s = used[w / C];
+      const auto& [slice, p0, p1] = chunks[w % C];
+      const int64_t m = start[s + 1] - start[s];
+      const int64_t n0 = p0 * kPanel, cols = std::min(slice.width, p1 * kPanel) - n0;
+      k.linear_panels(shrunk.data() + (start[s] * n + slice.index * m) * R,
+                      bs + ((s * P + slice.panel0 + p0) * R) * kPanel, WeightFormat::kFloat32,
+                      nullptr, update.data(), m, R, cols, 0, p1 - p0);
+      for (int64_t j = 0; j < m; ++j) {
+        float* row = ys + order[start[s] + j] * N + slice.out0 + n0;
+        for (int64_t c = 0; c < cols; ++c) row[c] += update[j * cols + c];
+      }
     }
   });
 }
 
 // The LoRA adapters of decode_layer's projections: per projection its (lora_a, lora_b), in the
-// order qkv, o, gate_up, down (8 tensors), and each token's slot; none when `lora` is empty.
+// order qkv, o, gate_up, down (8 tensors), its slices' outputs (q, k, v; o; gate, up; down),
+// and each token's slot; none when `lora` is empty.
 struct LayerLoRA {
   at::TensorList lora;
   const std::optional<at::Tensor>& slots;
+  std::array<std::vector<int64_t>, 4> slice_sizes;
 
   void add(int projection, at::Tensor& y, const at::Tensor& x) const {
     if (lora.empty()) return;
-    add_lora_into(y, x, lora[2 * projection], lora[2 * projection + 1], *slots);
+    add_lora_into(y, x, lora[2 * projection], lora[2 * projection + 1], *slots,
+                  slice_sizes[projection]);
   }
 };
 
@@ -484,12 +536,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const std::optional<at::Tensor>& gate_up_scale,
     const std::optional<at::Tensor>& down_scale,
     double eps, double scale, int64_t num_heads, int64_t block_size,
-    at::TensorList lora,  // [] or 4 x (lora_a [S, R, K], lora_b panels [S, N / 16, R, 16])
+    at::TensorList lora,  // [] or 4 x (lora_a [S, n R, K], lora_b panels [S, P, R, 16])
     const std::optional<at::Tensor>& lora_slots) {  // [B] int32: each token's slot, -1: none
   TORCH_CHECK(*skiff_cpu::isa(), "decode_layer needs AVX2 or AVX-512");
   TORCH_CHECK(lora.empty() || (lora.size() == 8 && lora_slots.has_value()),
               "decode_layer: LoRA takes 8 tensors and the tokens' slots");
-  const LayerLoRA adapters{lora, lora_slots};
   for (const at::Tensor* t :
        {&hidden, &residual, &input_norm, &cos_sin, &key_cache, &value_cache, &post_norm}) {
     TORCH_CHECK(is_fp32_cpu(*t) && t->is_contiguous(),
@@ -504,6 +555,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const int64_t rot_dim = cos_sin.size(1);
   TORCH_CHECK(rot_dim <= head_dim, "decode_layer: rotary size exceeds head_dim");
   const int64_t H = hidden.size(1), I = in_features(down_weight);
+  const LayerLoRA adapters{lora, lora_slots, {{{q_size, kv_size, kv_size}, {H}, {I, I}, {H}}}};
 
   // Residual add, RMSNorm, QKV projection.
   auto [normed, x] = rms_norm(hidden, input_norm, eps, residual);
@@ -575,8 +627,8 @@ TORCH_LIBRARY(skiff_cpu, m) {
       "Tensor? down_scale, float eps, float scale, int num_heads, int block_size, "
       "Tensor[] lora, Tensor? lora_slots) -> (Tensor, Tensor)");
   m.def(
-      "add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b_panels, Tensor slots) -> "
-      "()");
+      "add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b_panels, Tensor slots, "
+      "int[] slice_sizes) -> ()");
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor block_table, float scale, "
@@ -593,8 +645,10 @@ TORCH_LIBRARY_IMPL(skiff_cpu, CPU, m) {
   m.impl("linear_packed", &linear_packed);
   m.impl("decode_layer", &decode_layer);
   m.impl("add_lora", [](at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a,
-                        const at::Tensor& lora_b,
-                        const at::Tensor& slots) { add_lora_into(y, x, lora_a, lora_b, slots); });
+                        const at::Tensor& lora_b, const at::Tensor& slots,
+                        at::IntArrayRef slice_sizes) {
+    add_lora_into(y, x, lora_a, lora_b, slots, slice_sizes);
+  });
   m.impl("paged_attention", &paged_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);

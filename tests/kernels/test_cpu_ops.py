@@ -548,30 +548,65 @@ def test_ops_linear_routes_q8_panels_to_the_q8_kernel():
     )
 
 
-# (tokens, in, out, rank, slots): an adapter's tokens over several 32-row shrink pieces, outputs
-# over several 4-panel expand chunks and a partial panel, ranks of 8, 16 and 48 (three fused
-# slices)
-LORA_SHAPES = [(1, 16, 24, 16, 1), (70, 64, 130, 8, 2), (45, 576, 960, 48, 3)]
+# (tokens, in, slice outputs, rank, slots): an adapter's tokens over several 16-row shrink
+# pieces, a slice's outputs over several 4-panel expand chunks and partial panels; ranks 8 and
+# 16; one slice, GQA's q | k | v (uneven: 6 query heads, 2 KV heads), gate | up
+LORA_SHAPES = [
+    (1, 16, (24,), 16, 1),
+    (70, 64, (130,), 8, 2),
+    (45, 576, (96, 32, 32), 16, 3),
+    (33, 64, (40, 24, 24), 8, 2),
+    (9, 128, (200, 200), 16, 4),
+]
 
 
-@pytest.mark.parametrize(("tokens", "in_features", "out_features", "rank", "slots"), LORA_SHAPES)
-def test_add_lora_matches_reference(tokens, in_features, out_features, rank, slots):
+def lora_case(tokens, in_features, sizes, rank, slots):
+    """(y [T, N], x [T, K], lora_a [S, n R, K], each slice's B [S, N_i, R], int32 slots)."""
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, in_features, generator=gen)
-    y = torch.randn(tokens, out_features, generator=gen)
-    lora_a = torch.randn(slots, rank, in_features, generator=gen) / in_features**0.5
-    lora_b = torch.randn(slots, out_features, rank, generator=gen)
+    y = torch.randn(tokens, sum(sizes), generator=gen)
+    lora_a = torch.randn(slots, len(sizes) * rank, in_features, generator=gen) / in_features**0.5
+    bs = [torch.randn(slots, size, rank, generator=gen) for size in sizes]
     token_slots = torch.randint(-1, slots, (tokens,), generator=gen, dtype=torch.int32)
-    expected = torch_reference.add_lora(y.clone(), x, lora_a, lora_b, token_slots.long())
-    panels = torch.stack([cpu_ops.pack_panels(b) for b in lora_b])  # [S, ceil(N / 16), R, 16]
+    return y, x, lora_a, bs, token_slots
+
+
+def block_diagonal(bs: list[torch.Tensor]) -> torch.Tensor:
+    """The slices' B [S, N_i, R] -> the fused projection's lora_b [S, N, n R]."""
+    return torch.stack([torch.block_diag(*(b[s] for b in bs)) for s in range(bs[0].shape[0])])
+
+
+def slice_panels(bs: list[torch.Tensor]) -> torch.Tensor:
+    """The slices' B [S, N_i, R] -> add_lora's lora_b [S, sum(ceil(N_i / 16)), R, 16]."""
+    return torch.cat([torch.stack([cpu_ops.pack_panels(b_s) for b_s in b]) for b in bs], dim=1)
+
+
+@pytest.mark.parametrize(("tokens", "in_features", "sizes", "rank", "slots"), LORA_SHAPES)
+def test_add_lora_matches_reference(tokens, in_features, sizes, rank, slots):
+    y, x, lora_a, bs, token_slots = lora_case(tokens, in_features, sizes, rank, slots)
+    dense = block_diagonal(bs)  # [S, N, n R]
+    expected = torch_reference.add_lora(y.clone(), x, lora_a, dense, token_slots.long())
+    panels = slice_panels(bs)
     got = y.clone()
-    torch.ops.skiff_cpu.add_lora(got, x, lora_a, panels, token_slots)
+    torch.ops.skiff_cpu.add_lora(got, x, lora_a, panels, token_slots, sizes)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
     base = token_slots < 0
     assert torch.equal(got[base], y[base])  # untouched bits
     alone = y[:1].clone()  # a token's bits do not depend on the others
-    torch.ops.skiff_cpu.add_lora(alone, x[:1], lora_a, panels, token_slots[:1].contiguous())
+    torch.ops.skiff_cpu.add_lora(alone, x[:1], lora_a, panels, token_slots[:1].contiguous(), sizes)
     assert torch.equal(alone[0], got[0])
+
+
+@pytest.mark.parametrize(("tokens", "in_features", "sizes", "rank", "slots"), LORA_SHAPES)
+def test_add_lora_slices_give_the_block_diagonal_bits(tokens, in_features, sizes, rank, slots):
+    """Per slice, the expand skips the zero blocks of the fused lora_b and nothing else: the
+    bits of one slice over the whole block-diagonal matrix (its zero products add +0)."""
+    y, x, lora_a, bs, token_slots = lora_case(tokens, in_features, sizes, rank, slots)
+    whole = torch.stack([cpu_ops.pack_panels(b) for b in block_diagonal(bs)])  # [S, P, n R, 16]
+    one, per_slice = y.clone(), y.clone()
+    torch.ops.skiff_cpu.add_lora(one, x, lora_a, whole, token_slots, [sum(sizes)])
+    torch.ops.skiff_cpu.add_lora(per_slice, x, lora_a, slice_panels(bs), token_slots, sizes)
+    assert torch.equal(per_slice, one)
 
 
 def test_add_lora_refuses_what_it_does_not_cover():
@@ -579,11 +614,14 @@ def test_add_lora_refuses_what_it_does_not_cover():
     a, b = torch.randn(1, 4, 16), torch.randn(1, 1, 4, 16)  # rank 4, one panel
     slots = torch.tensor([0, -1], dtype=torch.int32)
     for bad, match in (
-        ((y, torch.randn(2, 8), torch.randn(1, 4, 8), b, slots), "multiple of 16"),
-        ((y, x, a, b, torch.tensor([0, 1], dtype=torch.int32)), "out of range"),
-        ((y, x, a, b, slots.long()), "int32"),
-        ((y, torch.randn(2, 32), a, b, slots), "lora_a"),
-        ((y, x, a, torch.randn(1, 8, 4), slots), "panels|lora_b"),
+        ((y, torch.randn(2, 8), torch.randn(1, 4, 8), b, slots, [8]), "multiple of 16"),
+        ((y, x, a, b, torch.tensor([0, 1], dtype=torch.int32), [8]), "out of range"),
+        ((y, x, a, b, slots.long(), [8]), "int32"),
+        ((y, torch.randn(2, 32), a, b, slots, [8]), "lora_a"),
+        ((y, x, a, torch.randn(1, 8, 4), slots, [8]), "panels|lora_b"),
+        ((y, x, a, b, slots, [4, 4]), "n slices"),  # two slices need lora_a [S, 2 R, K]
+        ((y, x, torch.randn(1, 8, 16), b, slots, [4, 4]), "panels"),  # a panel per slice
+        ((y, x, a, b, slots, [6]), "add up"),
     ):
         with pytest.raises(RuntimeError, match=match):
             torch.ops.skiff_cpu.add_lora(*bad)

@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kernels import cpu_ops, ops, reference
+from kernels import cpu_ops, ops
 from kernels.lora_mapping import LoRAMapping
 from services.worker.lora.checkpoint import WEIGHTS_FILE, read_adapter
 from services.worker.lora.errors import LoRAError
 from services.worker.lora.slots import SlotTable
-from services.worker.lora.targets import module_shapes
+from services.worker.lora.targets import ModuleShape, module_shapes
 from services.worker.lora.weights import LoRAStep, ModuleLoRA
 from services.worker.model_config import ModelConfig
 from shared.wire import LoRARequest
@@ -250,17 +250,20 @@ def test_fused_slices_add_each_slice_update_to_its_own_outputs():
     x = torch.randn(3, 32, generator=g)
     y = torch.zeros(3, 64)
     slots = torch.tensor([1, -1, 1])
-    ops.add_lora(y, x, lora.lora_a, lora.lora_b, LoRAMapping.build(slots))
+    ops.add_lora(y, x, lora.lora_a, lora.lora_b, LoRAMapping.build(slots), lora.slice_sizes)
     want = torch.zeros(3, 64)
     want[:, :32] = x @ a_q.t() @ b_q.t()
     want[:, 48:] = x @ a_v.t() @ b_v.t()
     want[1] = 0
     torch.testing.assert_close(y, want)
-    assert lora.panels  # on the CPU, lora_b in panels of 16 outputs
-    dense_b = torch.stack([cpu_ops.unpack_panels(b, 64) for b in lora.lora_b])
-    expected = torch.zeros(3, 64)
-    reference.add_lora(expected, x, lora.lora_a, dense_b, slots)
-    torch.testing.assert_close(y, expected)
+    # on the CPU, lora_b holds each slice's [outputs, R] in panels of 16, slice after slice
+    assert lora.panels and lora.lora_b.shape == (2, 2 + 1 + 1, 4, 16)
+    q_b, v_b = (
+        cpu_ops.unpack_panels(lora.lora_b[1, :2], 32),
+        cpu_ops.unpack_panels(lora.lora_b[1, 3:], 16),
+    )
+    assert torch.equal(q_b[:, :2], b_q) and torch.equal(v_b[:, :2], b_v)
+    assert not q_b[:, 2:].any() and not v_b[:, 2:].any() and not lora.lora_b[1, 2].any()
     assert not lora.lora_a[0].any() and not lora.lora_b[0].any()
 
 
@@ -279,3 +282,29 @@ def test_a_runtime_load_may_not_leave_the_adapter_root_through_a_symlink(tmp_pat
     write_adapter(root / "fine")
     (root / "link").symlink_to(root / "fine")  # a symlink that stays inside is fine
     assert read_adapter(_lora(root / "link", root), MC, max_rank=16).rank == RANK
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(
+    ("sizes", "rank", "max_rank"), [((40, 24, 24), 3, 8), ((200,), 16, 16), ((96, 96), 8, 16)]
+)
+def test_slot_panels_give_each_slice_its_own_update(sizes, rank, max_rank):
+    """Slices of uneven and partial-panel widths, one slice alone, ranks below and at the
+    slots': the CPU op's update of each slice is B_i A_i x, whatever the other slices hold."""
+    shape = ModuleShape(64, sizes)
+    lora = ModuleLoRA(LoRAStep(), shape, 3, max_rank, torch.device("cpu"), torch.float32)
+    assert lora.panels
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(5, 64, generator=g)
+    slots = torch.tensor([2, -1, 0, 2, 2])
+    want = torch.zeros(5, sum(sizes), dtype=torch.float64)
+    for slot in (0, 2):
+        for i, size in enumerate(sizes):
+            a, b = torch.randn(rank, 64, generator=g), torch.randn(size, rank, generator=g)
+            lora.write(slot, i, a, b)
+            out0 = sum(sizes[:i])
+            rows = slots == slot
+            want[rows, out0 : out0 + size] = (x[rows].double() @ a.double().t()) @ b.double().t()
+    y = torch.zeros(5, sum(sizes))
+    ops.add_lora(y, x, lora.lora_a, lora.lora_b, LoRAMapping.build(slots), lora.slice_sizes)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)

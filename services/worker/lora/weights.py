@@ -5,8 +5,9 @@ adapters (`ops.add_lora`) when `LoRAStep.mapping` is set.
 A fused projection's slices share the pair: slice i's lora_a rows [i*R, (i+1)*R) and lora_b
 block [slice i's outputs, i*R:(i+1)*R), R = max_lora_rank, zero elsewhere; an adapter of a
 lower rank fills its first columns, one without the slice or layer leaves them zero. On the CPU
-(fp32, the C++ ops) lora_b is kept as panels of 16 outputs, as `skiff_cpu::add_lora` reads
-it (`ops.cpu_lora_panels`)."""
+(fp32, the C++ ops) lora_b holds only the slices' blocks, each [slice's outputs, R] in panels
+of 16 outputs, slice after slice, as `skiff_cpu::add_lora` reads them
+(`ops.cpu_lora_panels`): the expand reads no zero blocks."""
 
 from __future__ import annotations
 
@@ -58,17 +59,18 @@ class ModuleLoRA:
     ) -> None:
         self.step = step
         self.max_rank = max_rank
-        n = len(shape.slice_sizes)
-        out = sum(shape.slice_sizes)
+        self.slice_sizes = shape.slice_sizes
+        n, out = len(shape.slice_sizes), sum(shape.slice_sizes)
         self.lora_a = torch.zeros(
             max_loras, n * max_rank, shape.in_features, device=device, dtype=dtype
-        )
-        self.out_features = out
+        )  # [S, n R, in]
         self.panels = cpu_lora_panels(device, dtype, shape.in_features)
-        width = n * max_rank
-        b_shape = (cdiv(out, cpu_ops.PANEL), width, cpu_ops.PANEL) if self.panels else (out, width)
+        # slice i's rows of lora_b (outputs, or panels of 16): [slice_starts[i], slice_starts[i+1])
+        rows = [cdiv(size, cpu_ops.PANEL) if self.panels else size for size in self.slice_sizes]
+        self.slice_starts = [sum(rows[:i]) for i in range(n + 1)]
+        b_shape = (sum(rows), max_rank, cpu_ops.PANEL) if self.panels else (out, n * max_rank)
+        # [S, sum(ceil(slice / 16)), R, 16] panels, or [S, out, n R]
         self.lora_b = torch.zeros(max_loras, *b_shape, device=device, dtype=dtype)
-        self.slice_starts = [sum(shape.slice_sizes[:i]) for i in range(n + 1)]
 
     def clear(self, slot: int) -> None:
         self.lora_a[slot].zero_()
@@ -79,12 +81,11 @@ class ModuleLoRA:
         rank, cols = a.shape[0], index * self.max_rank
         rows = slice(self.slice_starts[index], self.slice_starts[index + 1])
         self.lora_a[slot, cols : cols + rank] = a
-        if not self.panels:
+        if self.panels:
+            panels = cpu_ops.pack_panels(b)  # [ceil(out_slice / 16), rank, 16]
+            self.lora_b[slot, rows, :rank] = panels
+        else:
             self.lora_b[slot, rows, cols : cols + rank] = b
-            return
-        dense = cpu_ops.unpack_panels(self.lora_b[slot], self.out_features).clone()
-        dense[rows, cols : cols + rank] = b  # [out, n R]
-        self.lora_b[slot] = cpu_ops.pack_panels(dense)
 
 
 class LoRAWeights:

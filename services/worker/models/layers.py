@@ -36,7 +36,7 @@ def project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     y = ops.linear(x, module.weight, module.bias, weight_scale(module), panels, panel_scale)
     lora: ModuleLoRA | None = getattr(module, "lora", None)
     if lora is not None and lora.step.mapping is not None:
-        ops.add_lora(y, x, lora.lora_a, lora.lora_b, lora.step.mapping)
+        ops.add_lora(y, x, lora.lora_a, lora.lora_b, lora.step.mapping, lora.slice_sizes)
     return y
 
 
