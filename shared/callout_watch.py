@@ -4,7 +4,8 @@ it is lost. nats-server keeps the connections the callout admitted while it is a
 service keeps serving; only its next (re)connection would wait for the callout. The service's
 /health says so (and still passes): `health_note`.
 
-One watch per process: `bus.connect` starts it for every connection made with a token file.
+`bus.connect` starts a watch for every connection made with a token file; a watch speaks for
+as long as its connection is open (a closed connection hears nothing, and has nothing to lose).
 """
 
 from __future__ import annotations
@@ -45,22 +46,21 @@ class CalloutWatch:
         )
 
 
-_watch: CalloutWatch | None = None
+_watches: list[tuple[Client, CalloutWatch]] = []  # one per connection the callout admitted
 
 
 async def watch(nc: Client) -> None:
     """Hear the callout's heartbeats on `nc` (a connection it admitted)."""
-    global _watch
-    if _watch is None:
-        _watch = CalloutWatch()
-    watch = _watch
+    watch = CalloutWatch()
 
     async def on_beat(beat: CalloutHeartbeat) -> None:
         watch.heard(beat)
 
     await bus.subscribe(nc, CALLOUT_HEARTBEAT, CalloutHeartbeat, on_beat)
+    _watches.append((nc, watch))
 
 
 def health_note() -> str | None:
     """The line /health adds about the callout (None: nothing to say, or no callout)."""
-    return None if _watch is None else _watch.note()
+    _watches[:] = [(nc, w) for nc, w in _watches if not nc.is_closed]
+    return next(filter(None, (w.note() for _, w in _watches)), None)

@@ -14,6 +14,10 @@ from shared.wire import CalloutHeartbeat
 from tests.shared.test_http_probes import get
 
 
+class FakeConnection:
+    is_closed = False
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -46,7 +50,8 @@ def test_health_passes_and_says_the_callout_is_lost(monkeypatch):
     try:
         assert get(server, "/health") == (200, "ok\n")  # no callout: nothing to say
         clock = Clock()
-        monkeypatch.setattr(callout_watch, "_watch", CalloutWatch(clock))
+        nc = FakeConnection()
+        monkeypatch.setattr(callout_watch, "_watches", [(nc, CalloutWatch(clock))])
         assert get(server, "/health") == (200, "ok\n")
         clock.now += 60
         status, text = get(server, "/health")
@@ -55,6 +60,8 @@ def test_health_passes_and_says_the_callout_is_lost(monkeypatch):
             "a reconnection waits for it\n"
         )
         assert get(server, "/ready") == (200, "ok\n")
+        nc.is_closed = True  # its connection is gone: the watch has nothing to say
+        assert get(server, "/health") == (200, "ok\n")
     finally:
         server.stop()
 
