@@ -24,7 +24,12 @@ from services.worker.sampler.metadata import SamplingMetadata
 from services.worker.sampler.penalties import apply_penalties, output_counts
 from services.worker.sampler.random import position_uniforms
 from services.worker.sampler.sampler import apply_logit_processors
-from services.worker.sampler.topk_topp import compute_cutoffs, mask_below, temperature_divisor
+from services.worker.sampler.topk_topp import (
+    Cutoffs,
+    compute_cutoffs,
+    mask_below,
+    temperature_divisor,
+)
 from services.worker.sampling_metadata import build_sampling_metadata
 from shared.sampling_params import LOGPROBS_MODES, SamplingParams
 
@@ -286,6 +291,18 @@ def test_filters_match_reference(batch):
             assert_same_logits(x[i], want)
 
 
+def assert_same_cutoffs(got: Cutoffs, want: Cutoffs) -> None:
+    """The same thresholds, and the same small kept sets (values and ids) row for row."""
+    assert torch.equal(got.threshold, want.threshold)
+    assert (got.small is None) == (want.small is None)
+    if got.small is not None and want.small is not None:
+        assert torch.equal(got.small.rows, want.small.rows)
+        kept, kept_want = got.small.values.isfinite(), want.small.values.isfinite()
+        assert torch.equal(kept.sum(dim=1), kept_want.sum(dim=1))
+        assert torch.equal(got.small.values[kept], want.small.values[kept_want])
+        assert torch.equal(got.small.ids[kept], want.small.ids[kept_want])
+
+
 @settings(max_examples=60, deadline=None)
 @given(batch_st())
 def test_cutoffs_before_temperature_equal_cutoffs_after(batch):
@@ -299,14 +316,7 @@ def test_cutoffs_before_temperature_equal_cutoffs_after(batch):
     divisor = temperature_divisor(meta.temperature)
     lazy = compute_cutoffs(x, meta.filters, divisor)
     eager = compute_cutoffs(x / divisor, meta.filters)
-    assert torch.equal(lazy.threshold, eager.threshold)
-    assert (lazy.small is None) == (eager.small is None)
-    if lazy.small is not None and eager.small is not None:
-        assert torch.equal(lazy.small.rows, eager.small.rows)
-        kept, kept_eager = lazy.small.values.isfinite(), eager.small.values.isfinite()
-        assert torch.equal(kept.sum(dim=1), kept_eager.sum(dim=1))
-        assert torch.equal(lazy.small.values[kept], eager.small.values[kept_eager])
-        assert torch.equal(lazy.small.ids[kept], eager.small.ids[kept_eager])
+    assert_same_cutoffs(lazy, eager)
 
 
 @settings(max_examples=60, deadline=None)
@@ -483,14 +493,7 @@ def test_first_window_decides_like_the_wide_window(vocab, monkeypatch):
     divisor = temperature_divisor(meta.temperature)
     got = compute_cutoffs(x.clone(), meta.filters, divisor)
     want = _wide_only(x.clone(), meta.filters, divisor, monkeypatch)
-    assert torch.equal(got.threshold, want.threshold)
-    assert (got.small is None) == (want.small is None)
-    if got.small is not None and want.small is not None:
-        assert torch.equal(got.small.rows, want.small.rows)
-        kept, kept_want = got.small.values.isfinite(), want.small.values.isfinite()
-        assert torch.equal(kept.sum(dim=1), kept_want.sum(dim=1))
-        assert torch.equal(got.small.values[kept], want.small.values[kept_want])
-        assert torch.equal(got.small.ids[kept], want.small.ids[kept_want])
+    assert_same_cutoffs(got, want)
     tokens = _sample(reqs, x)
     with monkeypatch.context() as m:
         m.setattr(topk_topp, "_FIRST", 10**9)
