@@ -62,5 +62,5 @@ async def watch(nc: Client) -> None:
 
 def health_note() -> str | None:
     """The line /health adds about the callout (None: nothing to say, or no callout)."""
-    _watches[:] = [(nc, w) for nc, w in _watches if not nc.is_closed]
-    return next(filter(None, (w.note() for _, w in _watches)), None)
+    notes = (w.note() for nc, w in list(_watches) if not nc.is_closed)  # a copy: probes run
+    return next(filter(None, notes), None)  # on their own threads while connections are made
