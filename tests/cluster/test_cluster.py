@@ -18,6 +18,7 @@ from tests.cluster import kube
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 64
+HANDOVER_WATCH_S = 25  # from a leader's death: the takeover and three failing gateway probes
 
 
 def stream_tokens(openai_client, key: str, on_token: Callable[[], None]) -> tuple[int, str]:
@@ -111,6 +112,28 @@ def test_a_worker_pod_deleted_mid_stream(k8s, release, openai_client):
     )
 
 
+@contextmanager
+def gateway_endpoints(core, namespace: str, service) -> Iterator[list[int]]:
+    """The number of ready addresses behind the gateway's Service, read every 0.5 s for as
+    long as the block runs."""
+    counts: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            endpoints = core.read_namespaced_endpoints(service.metadata.name, namespace)
+            counts.append(sum(len(s.addresses or []) for s in endpoints.subsets or []))
+            stop.wait(0.5)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield counts
+    finally:
+        stop.set()
+        watcher.join(30)
+
+
 def lease_holders(coordination, core, namespace: str, release: str) -> dict[str, tuple[str, str]]:
     """{Lease name: (holding scheduler pod, holder identity)} for the Leases held by this
     release's schedulers (an identity is the pod's name and a per-process suffix)."""
@@ -149,7 +172,8 @@ def test_killing_the_leader_scheduler_hands_over(cluster, k8s, release, openai_c
     (deployment,) = kube.deployments(apps, namespace, name, "scheduler")
     env = {e.name: e.value for e in deployment.spec.template.spec.containers[0].env}
     retry_s = float(env["SKIFF_LEADER_ELECTION_RETRY_PERIOD"])
-    with streaming(openai_client):
+    (gateway,) = kube.services(core, namespace, name, "gateway")
+    with streaming(openai_client), gateway_endpoints(core, namespace, gateway) as endpoints:
         sigkill(cluster, core, namespace, leader)
         killed_at = time.monotonic()
         new = kube.wait_until(
@@ -163,7 +187,10 @@ def test_killing_the_leader_scheduler_hands_over(cluster, k8s, release, openai_c
             every_s=0.2,
         )
         took_over_s = time.monotonic() - killed_at
-        time.sleep(3)  # streams keep going on the new leader
+        # streams keep going on the new leader; the gateway's readiness probes go on failing
+        # until it heard from the new leader's workers: it must outlast them in its Service
+        time.sleep(max(3.0, HANDOVER_WATCH_S - took_over_s))
+    assert endpoints and min(endpoints) > 0, endpoints  # never left without a gateway
     # the other replica, or the killed one's restarted container: a new process either way
     assert new[1] != leader_identity
     # the standby waits a lease duration after the Lease's last change, then one retry period;

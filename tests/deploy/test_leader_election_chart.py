@@ -127,3 +127,28 @@ def test_timings_the_election_refuses_fail_the_render():
     bad = 'scheduler={"replicas": 2, "leaderElection": {"renewDeadlineSeconds": 6}}'
     with pytest.raises(AssertionError, match="leaseDurationSeconds > renewDeadlineSeconds"):
         render(None, bad)
+
+
+def gateway_readiness(docs) -> dict:
+    (gateway,) = [
+        d
+        for d in docs
+        if d["kind"] == "Deployment"
+        and d["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway"
+    ]
+    (container,) = pod_spec(gateway)["containers"]
+    return container["readinessProbe"]
+
+
+@pytest.mark.parametrize("lease_s", [6, 15])
+def test_the_gateway_stays_in_its_service_through_a_leader_handover(lease_s):
+    """A handover leaves /health 503 for up to the lease duration, a retry period and the new
+    leader's first heartbeats (3 s allowed); the gateway must fail probes for longer than that
+    before it leaves its Service."""
+    election = {"leaseDurationSeconds": lease_s, "renewDeadlineSeconds": lease_s - 2}
+    docs = render(None, f"scheduler={json.dumps({'replicas': 2, 'leaderElection': election})}")
+    probe = gateway_readiness(docs)
+    handover_s = lease_s + 1 + 3  # retryPeriodSeconds 1
+    assert probe["periodSeconds"] * (probe["failureThreshold"] - 1) >= handover_s
+    # one scheduler: nothing to hand over, the gateway leaves within two probes
+    assert gateway_readiness(render(None))["failureThreshold"] == 2
