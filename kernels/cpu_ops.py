@@ -15,6 +15,11 @@
 - `rms_norm`, `rotary_embedding`, `silu_and_mul`: the model's elementwise ops
   (`kernels/ops.py` dispatches CPU fp32 tensors to all but `decode_layer`).
 
+They split their work over torch's thread count on a pool of their own
+(kernels/csrc/spin_pool.h) whose threads spin for `SKIFF_CPU_SPIN_US` (200) microseconds
+after each op before they sleep: a decode step is ~150 short parallel regions, and waking
+sleeping threads for each cost most of a single-stream step.
+
 They are compiled on first use with the machine's C++ compiler (torch's extension builder and
 ninja) into the cache folder, keyed by the sources and the torch version, so later processes
 load them in well under a second. The kernels are built for AVX-512 and for AVX2 with FMA; the

@@ -29,8 +29,9 @@
 // - rms_norm, rotary_embedding, silu_and_mul: the model's elementwise ops, as
 //   kernels/reference.py defines them, for the steps that run the model module by module.
 //
-// All of them split work over torch's own OpenMP threads. linear falls back to at::linear where
-// its kernel does not apply; the others check their inputs and refuse what they do not cover.
+// All of them split work over torch's thread count, on the spinning pool of spin_pool.h.
+// linear falls back to at::linear where its kernel does not apply; the others check their
+// inputs and refuse what they do not cover.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -43,6 +44,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "spin_pool.h"
 
 namespace {
 
@@ -139,18 +141,18 @@ void linear_into(const float* x, const Weight& w, float* y, int64_t M, int64_t K
     const int64_t groups = M * K / kInt8Group;
     std::vector<int8_t> xq(M * K);
     std::vector<float> x_scale(groups);
-    at::parallel_for(0, groups, 256, [&](int64_t begin, int64_t end) {
+    skiff_cpu::parallel_for(0, groups, 256, [&](int64_t begin, int64_t end) {
       q8.quantize(x + begin * kInt8Group, xq.data() + begin * kInt8Group, x_scale.data() + begin,
                   end - begin);
     });
     const auto* packed = static_cast<const int8_t*>(w.data);
-    at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
+    skiff_cpu::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
       q8.linear_panels(xq.data(), x_scale.data(), packed, w.scale, y, M, K, N, begin, end);
     });
     return;
   }
   if (w.panels) {
-    at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
+    skiff_cpu::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
       skiff_cpu::kernels().linear_panels(x, w.data, w.format, w.scale, y, M, K, N, begin, end);
     });
     return;
@@ -158,7 +160,7 @@ void linear_into(const float* x, const Weight& w, float* y, int64_t M, int64_t K
   const int64_t blocks = N / kLinearRowBlock;
   for (int64_t m = 0; m < M; m += kTokensPerChunk) {
     const int64_t rows = std::min(kTokensPerChunk, M - m);
-    at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+    skiff_cpu::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
       skiff_cpu::kernels().linear_rows(x + m * K, w.data, w.format, w.scale, y + m * N, rows, K, N,
                              begin * kLinearRowBlock, end * kLinearRowBlock);
     });
@@ -309,7 +311,7 @@ void add_lora_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
   const float *xs = x.data_ptr<float>(), *as = lora_a.data_ptr<float>();
   // The shrink's results: slot s's m tokens at start[s] n R, as [n, m, R].
   std::vector<float> shrunk(order.size() * n * R);
-  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+  skiff_cpu::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> gathered(kLoRARows * K);
     for (int64_t p = begin; p < end; ++p) {
       const auto [s, i0, j] = pieces[p];
@@ -323,7 +325,7 @@ void add_lora_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
   const int64_t C = static_cast<int64_t>(chunks.size()), P = lora_b.size(1);
   const float* bs = lora_b.data_ptr<float>();
   float* ys = y.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(used.size()) * C, 1, [&](int64_t begin, int64_t end) {
+  skiff_cpu::parallel_for(0, static_cast<int64_t>(used.size()) * C, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> update(max_rows * kLoRAPanels * kPanel);  // [m, cols]
     for (int64_t w = begin; w < end; ++w) {
       const int64_t s = used[w / C];
@@ -408,7 +410,7 @@ void attend_tasks(const float* q, int64_t q_row_stride, const at::Tensor& key_ca
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_tasks);
-  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+  skiff_cpu::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
     for (int64_t i = next++; i < num_tasks; i = next++) {
       const AttentionTask& t = tasks[i];
@@ -465,7 +467,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   at::Tensor out = at::empty_like(sum);
   const int64_t H = sum.size(1);
   const at::Tensor w = weight.contiguous();
-  at::parallel_for(0, sum.size(0), 16, [&](int64_t begin, int64_t end) {
+  skiff_cpu::parallel_for(0, sum.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       skiff_cpu::kernels().rms_norm_row(sum.data_ptr<float>() + t * H, w.data_ptr<float>(),
                               out.data_ptr<float>() + t * H, H, static_cast<float>(eps));
@@ -487,7 +489,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
   const int64_t rot_dim = cache.size(1), head_dim = q.size(2);
   TORCH_CHECK(rot_dim <= head_dim && k.size(2) == head_dim, "rotary_embedding: head sizes");
   const int64_t q_heads = q.size(1), k_heads = k.size(1);
-  at::parallel_for(0, q.size(0), 16, [&](int64_t begin, int64_t end) {
+  skiff_cpu::parallel_for(0, q.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cs = cache.data_ptr<float>() + pos.data_ptr<int64_t>()[t] * rot_dim;
       for (int64_t h = 0; h < q_heads; ++h)
@@ -505,7 +507,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   const at::Tensor in = x.contiguous();
   const int64_t inter = in.size(1) / 2;
   at::Tensor out = at::empty({in.size(0), inter}, in.options());
-  at::parallel_for(0, in.size(0), 4, [&](int64_t begin, int64_t end) {
+  skiff_cpu::parallel_for(0, in.size(0), 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       skiff_cpu::kernels().silu_and_mul_row(in.data_ptr<float>() + t * 2 * inter,
                                   out.data_ptr<float>() + t * inter, inter);
