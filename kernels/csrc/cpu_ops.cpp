@@ -311,7 +311,8 @@ void add_lora_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
   const float *xs = x.data_ptr<float>(), *as = lora_a.data_ptr<float>();
   // The shrink's results: slot s's m tokens at start[s] n R, as [n, m, R].
   std::vector<float> shrunk(order.size() * n * R);
-  skiff_cpu::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+  skiff_cpu::parallel_for(0, num_pieces, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> gathered(kLoRARows * K);
     for (int64_t p = begin; p < end; ++p) {
       const auto [s, i0, j] = pieces[p];
@@ -325,7 +326,8 @@ void add_lora_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
   const int64_t C = static_cast<int64_t>(chunks.size()), P = lora_b.size(1);
   const float* bs = lora_b.data_ptr<float>();
   float* ys = y.data_ptr<float>();
-  skiff_cpu::parallel_for(0, static_cast<int64_t>(used.size()) * C, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = static_cast<int64_t>(used.size()) * C;
+  skiff_cpu::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> update(max_rows * kLoRAPanels * kPanel);  // [m, cols]
     for (int64_t w = begin; w < end; ++w) {
       const int64_t s = used[w / C];
