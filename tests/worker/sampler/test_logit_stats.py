@@ -1,0 +1,130 @@
+"""The sampler's C++ op `skiff_cpu::logit_stats` (kernels/csrc/sampler_ops.cpp) against torch,
+with each instruction set this CPU has: block maxima and the whitelist-masked copy exactly,
+the logsumexp as close to float64 as torch's own; top logprobs from its stats: the same ids
+and ranks, values within LOGPROB_TOL (the two logsumexps may round apart by an ulp or two)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+from services.worker.sampler.block_topk import block_maxima
+from services.worker.sampler.logit_stats import fused, logit_stats
+from services.worker.sampler.logprobs import top_logprobs
+
+pytestmark = pytest.mark.unit
+
+NEG_INF, INF = float("-inf"), float("inf")
+# SIMD widths 8 and 16, blocks of 64: tails of every kind, no whole block, SmolLM2's 49152.
+VOCABS = [1, 3, 15, 17, 63, 64, 65, 100, 4099, 49152, 49155]
+LOGPROB_TOL = {"rtol": 1e-6, "atol": 4e-6}  # 4e-6: two fp32 ulps of a logsumexp in [16, 32)
+
+
+@pytest.fixture(params=cpu_ops.ISAS)
+def isa(request):
+    """Runs the op with each instruction set's kernels that this CPU can run."""
+    assert cpu_ops.load(), "the C++ CPU ops must build and run on x86-64 with g++ (AVX2 or more)"
+    widest = cpu_ops.isa()
+    if not cpu_ops.use_isa(request.param):
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    cpu_ops.use_isa(widest)
+
+
+def edge_rows(vocab: int, strided: bool = False) -> torch.Tensor:
+    """[12, vocab] fp32 logits: random rows and edge rows; strided: rows further apart than
+    vocab (a column slice of a wider tensor)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(12, vocab + 5 * strided, generator=g) * 4)[:, :vocab]
+    x[1] = NEG_INF  # nothing finite
+    x[2] = NEG_INF
+    x[2, vocab // 2] = 3.0  # one finite value
+    x[3, -1] = INF  # +inf in the tail (if any)
+    x[4, 0] = INF
+    x[5] *= 1e30  # large magnitudes, NaN-free: every other e^(x - max) underflows
+    x[6] = x[6] * 1e4 - 1e6
+    x[7] = 0.5  # all tied
+    x[8, ::7] = NEG_INF
+    x[9] -= 200.0  # e^x underflows without the shift
+    x[10] = x[10] / 100  # flat: every term counts
+    return x
+
+
+def banned_mask(vocab: int) -> torch.Tensor:
+    """[12, vocab] bool: random whitelists, one row with all banned, one with none, one with
+    all banned but its last token."""
+    banned = torch.rand(12, vocab, generator=torch.Generator().manual_seed(-vocab)) < 0.3
+    banned[0] = True
+    banned[1] = False
+    banned[2] = True
+    banned[2, -1] = False
+    return banned
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_block_maxima_and_masked_copy_are_torchs(isa, vocab, strided):
+    x = edge_rows(vocab, strided)
+    banned = banned_mask(vocab)
+    out = torch.full_like(x, 7.0).contiguous()
+    stats = logit_stats(x, banned, out)
+    assert torch.equal(stats.block_max, block_maxima(x))
+    assert torch.equal(out, torch.where(banned, NEG_INF, x))
+    assert torch.equal(logit_stats(x, None, out).block_max, block_maxima(x))
+    assert torch.equal(out, x)  # no mask: a plain copy
+    assert torch.equal(logit_stats(x).block_max, block_maxima(x))
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_logsumexp_is_as_close_to_float64_as_torchs(isa, vocab):
+    """Within 2e-7 relative (and 1e-6 absolute near 0) of the float64 logsumexp, the bound
+    torch's fp32 logsumexp meets too; infinite rows as torch has them."""
+    x = edge_rows(vocab)
+    got = logit_stats(x).lse  # [12, 1]
+    want = x.double().logsumexp(dim=1, keepdim=True)
+    torch_lse = x.logsumexp(dim=1, keepdim=True)
+    assert torch.equal(torch.isinf(got), torch.isinf(torch_lse))
+    assert torch.equal(got[torch.isinf(got)], torch_lse[torch.isinf(got)])
+    finite = torch.isfinite(want)
+    for lse in (got, torch_lse):
+        torch.testing.assert_close(lse.double()[finite], want[finite], rtol=2e-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [17, 4099])
+def test_nan_propagates_as_in_torch(isa, vocab):
+    x = edge_rows(vocab)
+    x[0, 3] = float("nan")
+    x[3, -1] = float("nan")
+    stats = logit_stats(x)
+    torch.testing.assert_close(stats.block_max, block_maxima(x), equal_nan=True)
+    assert torch.equal(stats.lse.isnan(), x.logsumexp(dim=1, keepdim=True).isnan())
+
+
+def test_refuses_what_it_does_not_cover(isa):
+    x = torch.randn(4, 100)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        logit_stats(x.t())
+    with pytest.raises(RuntimeError, match="banned needs out"):
+        logit_stats(x, torch.zeros(4, 100, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="out must be"):
+        logit_stats(x, None, torch.empty(4, 99))
+    assert not fused(x.double()) and not fused(x.t())
+
+
+@pytest.mark.parametrize("vocab", [300, 5000, 49155])
+def test_top_logprobs_from_the_stats_match_torchs(isa, vocab):
+    """Given the op's stats, top_logprobs picks the same ids and ranks; close values."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(40, vocab, generator=g) * 3
+    x[:10] = (x[:10] * 2).round()  # ties in the top values
+    x[10, :] = 0.5
+    token_ids = torch.randint(0, vocab, (40,), generator=g)
+    token_ids[20:30] = x[20:30].topk(20, dim=1).indices[:, 19]
+    as_logprobs = torch.arange(40) % 2 == 0
+    for num_top in (0, 1, 5, 20):
+        want = top_logprobs(x, token_ids, num_top, as_logprobs)
+        got = top_logprobs(x, token_ids, num_top, as_logprobs, logit_stats(x))
+        assert torch.equal(got.token_ids, want.token_ids)
+        assert torch.equal(got.ranks, want.ranks)
+        torch.testing.assert_close(got.values, want.values, **LOGPROB_TOL)
