@@ -1,17 +1,25 @@
 """The sampler's C++ op `skiff_cpu::logit_stats` (kernels/csrc/sampler_ops.cpp) against torch,
 with each instruction set this CPU has: block maxima and the whitelist-masked copy exactly,
-the logsumexp as close to float64 as torch's own; top logprobs from its stats: the same ids
-and ranks, values within LOGPROB_TOL (the two logsumexps may round apart by an ulp or two)."""
+the logsumexp as close to float64 as torch's own; then the sampler with the op against the
+sampler on torch's path: the same tokens, logprob ids and ranks, logprobs within LOGPROB_TOL
+(the two logsumexps may round apart by an ulp or two)."""
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
+from hypothesis import given, settings
 
 from kernels import cpu_ops
+from services.worker.sampler import Sampler, SamplerOutput
+from services.worker.sampler import sampler as sampler_module
 from services.worker.sampler.block_topk import block_maxima
 from services.worker.sampler.logit_stats import fused, logit_stats
 from services.worker.sampler.logprobs import top_logprobs
+from shared.sampling_params import LOGPROBS_MODES, SamplingParams
+from tests.worker.sampler.test_sampler import Req, batch_st, make_metadata
 
 pytestmark = pytest.mark.unit
 
@@ -128,3 +136,82 @@ def test_top_logprobs_from_the_stats_match_torchs(isa, vocab):
         assert torch.equal(got.token_ids, want.token_ids)
         assert torch.equal(got.ranks, want.ranks)
         torch.testing.assert_close(got.values, want.values, **LOGPROB_TOL)
+
+
+def assert_same_output(got: SamplerOutput, want: SamplerOutput) -> None:
+    assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+    if want.logprobs is None:
+        assert got.logprobs is None
+        return
+    assert got.logprobs is not None
+    assert torch.equal(got.logprob_token_ids, want.logprob_token_ids)
+    assert torch.equal(got.sampled_ranks, want.sampled_ranks)
+    torch.testing.assert_close(got.logprobs, want.logprobs, **LOGPROB_TOL)
+
+
+def on_both_paths(reqs: list[Req], logits: torch.Tensor) -> tuple[SamplerOutput, SamplerOutput]:
+    """The sampler's output with the C++ op, and with torch's path."""
+    meta = make_metadata(reqs, logits.shape[1])
+    assert cpu_ops.load()
+    fused_out = Sampler(seed=0)(logits.clone(), meta)
+    cpu_ops.use(False)
+    try:
+        torch_out = Sampler(seed=0)(logits.clone(), meta)
+    finally:
+        cpu_ops.use(True)
+    return fused_out, torch_out
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch_st())
+def test_sampler_with_the_op_matches_torchs_path(batch):
+    assert_same_output(*on_both_paths(*batch))
+
+
+def all_on(i: int, vocab: int, mode: str) -> Req:
+    """Every feature on (bench/sampler_bench.py's batch), logprobs of `mode`."""
+    g = torch.Generator().manual_seed(i)
+    history = torch.randint(0, vocab, (24,), generator=g).tolist()
+    params = SamplingParams(
+        temperature=0.8,
+        top_k=50,
+        top_p=0.9,
+        min_p=0.05,
+        seed=i,
+        repetition_penalty=1.1,
+        frequency_penalty=0.3,
+        presence_penalty=0.2,
+        logit_bias={7: 2.0, 11: -3.0},
+        min_tokens=100,
+        stop_token_ids=[5, 6],
+        bad_words_token_ids=[[100], [200, 201]],
+        allowed_token_ids=list(range(vocab - 700)),
+        logprobs=5,
+        logprobs_mode=mode,
+    )
+    return Req(params, history[:12], history[12:])
+
+
+@pytest.mark.parametrize("modes", [["raw_logprobs"], ["raw_logits"], LOGPROBS_MODES])
+@pytest.mark.parametrize("vocab", [5000, 49155])
+def test_all_features_on_match_torchs_path(vocab, modes):
+    """Every row raw: the whitelist's copy takes the raw stats on the way; mixed modes: the
+    stats of the raw and the processed rows on their own."""
+    reqs = [all_on(i, vocab, modes[i % len(modes)]) for i in range(12)]
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(vocab)) * 3
+    calls = []
+
+    def spy(x, banned=None, out=None):
+        calls.append(out is not None)
+        return logit_stats(x, banned, out)
+
+    with patch.object(sampler_module, "logit_stats", spy):
+        assert_same_output(*on_both_paths(reqs, logits))
+    assert calls == ([True] if len(modes) == 1 else [False, False])
+
+
+def test_greedy_raw_logprobs_match_torchs_path():
+    """No step changes the logits: raw logprobs read them as they are, stats from the op."""
+    params = SamplingParams(temperature=0.0, logprobs=3, logprobs_mode="raw_logprobs")
+    logits = torch.randn(5, 4099, generator=torch.Generator().manual_seed(5))
+    assert_same_output(*on_both_paths([Req(params, [1, 2])] * 5, logits))
