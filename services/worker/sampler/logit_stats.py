@@ -25,8 +25,8 @@ class LogitStats:
 
 
 def fused(x: torch.Tensor) -> bool:
-    """Whether `logit_stats` runs for x ([r, vocab]): fp32 on a CPU with the C++ ops loaded, and
-    tokens contiguous within rows."""
+    """Whether the sampler's C++ ops (`logit_stats`, block_topk.row_topk) run for x ([r, n]):
+    fp32 on a CPU with the C++ ops loaded, values contiguous within rows."""
     return ops.use_cpu_ops(x) and x.dim() == 2 and x.stride(1) == 1
 
 

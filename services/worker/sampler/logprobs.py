@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.sampler.block_topk import Candidates, candidates, topk
+from services.worker.sampler.block_topk import Candidates, candidates, row_topk, topk
 from services.worker.sampler.chunking import logsumexp_with_max
 from services.worker.sampler.logit_stats import LogitStats
 
@@ -63,7 +63,7 @@ def _head(
 
     Without ties among them, the first num_top ids are the only possible ones; rows with a tie
     take theirs from a window of max(num_top, 64), the tie order these ids always had."""
-    head, picked = cand.values.topk(min(num_top + 1, cand.values.shape[1]), dim=1)
+    head, picked = row_topk(cand.values, min(num_top + 1, cand.values.shape[1]))
     ids = cand.token_ids(picked)
     tied = torch.nonzero(~(head[:, 1:] < head[:, :-1]).all(dim=1)).squeeze(1)  # NaN counts too
     if tied.numel() and num_top:

@@ -1,8 +1,9 @@
-"""The sampler's C++ op `skiff_cpu::logit_stats` (kernels/csrc/sampler_ops.cpp) against torch,
-with each instruction set this CPU has: block maxima and the whitelist-masked copy exactly,
-the logsumexp as close to float64 as torch's own; then the sampler with the op against the
-sampler on torch's path: the same tokens, logprob ids and ranks, logprobs within LOGPROB_TOL
-(the two logsumexps may round apart by an ulp or two)."""
+"""The sampler's C++ ops (kernels/csrc/sampler_ops.cpp) against torch: `logit_stats`, with each
+instruction set this CPU has: block maxima and the whitelist-masked copy exactly, the
+logsumexp as close to float64 as torch's own; `row_topk`: torch.topk's values, ties in index
+order. Then the sampler with the ops against the sampler on torch's path: the same tokens,
+logprob ids and ranks, logprobs within LOGPROB_TOL (the two logsumexps may round apart by an
+ulp or two)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from kernels import cpu_ops
 from services.worker.sampler import Sampler, SamplerOutput
 from services.worker.sampler import sampler as sampler_module
-from services.worker.sampler.block_topk import block_maxima
+from services.worker.sampler.block_topk import block_maxima, row_topk
 from services.worker.sampler.logit_stats import fused, logit_stats
 from services.worker.sampler.logprobs import top_logprobs
 from shared.sampling_params import LOGPROBS_MODES, SamplingParams
@@ -117,7 +118,30 @@ def test_refuses_what_it_does_not_cover(isa):
         logit_stats(x, torch.zeros(4, 100, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="out must be"):
         logit_stats(x, None, torch.empty(4, 99))
+    with pytest.raises(RuntimeError, match="k must be"):
+        row_topk(x, 101)
     assert not fused(x.double()) and not fused(x.t())
+
+
+@pytest.mark.parametrize("n", [1, 2, 17, 768, 1088, 4163])
+def test_row_topk_is_a_stable_descending_sort_cut_at_k(n):
+    """torch.topk's values; ids as a stable descending sort has them (ties by index, NaN
+    first); strided rows, k from 0 to n."""
+    assert cpu_ops.load()
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n + 3, generator=g)[:, :n]
+    x[1] = NEG_INF
+    x[2] = (x[2] * 2).round()  # many ties
+    x[3] = torch.arange(n, dtype=torch.float32)  # ascending: every value displaces one
+    x[4, n // 2] = float("nan")
+    x[5, ::3] = float("nan")
+    x[6, -1] = INF
+    x[7] = 0.25
+    for k in sorted({0, 1, min(n, 5), min(n, 17), min(n, 65), n}):
+        values, ids = row_topk(x, k)
+        want = x.sort(dim=1, descending=True, stable=True)
+        torch.testing.assert_close(values, x.topk(k, dim=1).values, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(ids, want.indices[:, :k])
 
 
 @pytest.mark.parametrize("vocab", [300, 5000, 49155])
@@ -139,18 +163,22 @@ def test_top_logprobs_from_the_stats_match_torchs(isa, vocab):
 
 
 def assert_same_output(got: SamplerOutput, want: SamplerOutput) -> None:
+    """Equal tokens, ranks and logprob ids, but for the ids of -inf logprobs: tied values, which
+    row_topk takes in id order and torch.topk in an order of its own (random logits have no
+    finite ties). Logprobs of a row with nothing finite are NaN on both paths."""
     assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
     if want.logprobs is None:
         assert got.logprobs is None
         return
-    assert got.logprobs is not None
-    assert torch.equal(got.logprob_token_ids, want.logprob_token_ids)
+    assert got.logprobs is not None and got.logprob_token_ids is not None
+    finite = torch.isfinite(want.logprobs)
+    assert torch.equal(got.logprob_token_ids[finite], want.logprob_token_ids[finite])
     assert torch.equal(got.sampled_ranks, want.sampled_ranks)
-    torch.testing.assert_close(got.logprobs, want.logprobs, **LOGPROB_TOL)
+    torch.testing.assert_close(got.logprobs, want.logprobs, equal_nan=True, **LOGPROB_TOL)
 
 
 def on_both_paths(reqs: list[Req], logits: torch.Tensor) -> tuple[SamplerOutput, SamplerOutput]:
-    """The sampler's output with the C++ op, and with torch's path."""
+    """The sampler's output with the C++ ops, and with torch's path."""
     meta = make_metadata(reqs, logits.shape[1])
     assert cpu_ops.load()
     fused_out = Sampler(seed=0)(logits.clone(), meta)
