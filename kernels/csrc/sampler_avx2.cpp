@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 
@@ -30,6 +31,7 @@ inline Vec ban(Vec v, Mask banned) {  // -inf in the banned lanes
 inline Vec zero_below(Vec v, Vec x, Vec lo) {  // 0 where x < lo (NaN lanes kept)
   return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_NLT_UQ), v);
 }
+inline void vstream(float* p, Vec v) { _mm256_stream_ps(p, v); }  // p aligned; past the cache
 
 #include "sampler_bodies.h"
 }  // namespace skiff_cpu::sampler_avx2

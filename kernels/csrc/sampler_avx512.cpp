@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #include "cpu_kernels.h"
@@ -30,6 +31,7 @@ inline Vec zero_below(Vec v, Vec x, Vec lo) {  // 0 where x < lo (NaN lanes kept
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), v);
 }
 inline float vmax_all(Vec v) { return _mm512_reduce_max_ps(v); }
+inline void vstream(float* p, Vec v) { _mm512_stream_ps(p, v); }  // p aligned; past the cache
 
 #include "sampler_bodies.h"
 }  // namespace skiff_cpu::sampler_avx512

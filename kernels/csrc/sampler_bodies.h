@@ -29,10 +29,13 @@ inline Vec exp_lanes(Vec x) {
 }
 
 // Block maxima of x's whole blocks (and the masked copy into out, where given); returns the
-// maximum of the whole row, tail included (NaN if any value is NaN).
+// maximum of the whole row, tail included (NaN if any value is NaN). The copy bypasses the
+// cache (streaming stores) where out is vector-aligned: no read of out's lines before they
+// are written, and the 50 MB of a batch would not stay in cache anyway.
 float block_maxima(const float* x, const bool* banned, float* out, int64_t vocab,
                    float* block_max) {
   const int64_t blocks = vocab / kLogitBlock;
+  const bool stream = reinterpret_cast<uintptr_t>(out) % sizeof(Vec) == 0;
   Vec row_max = vset1(kNegInf);
   bool any_nan = false;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -42,8 +45,13 @@ float block_maxima(const float* x, const bool* banned, float* out, int64_t vocab
     for (int64_t v = 0; v < kBlockVecs; ++v) {
       const int64_t t = at + v * W;
       const Vec xv = vload(x + t);
-      if (out != nullptr)
-        vstore(out + t, banned == nullptr ? xv : ban(xv, banned_lanes(banned + t)));
+      if (out != nullptr) {
+        const Vec masked = banned == nullptr ? xv : ban(xv, banned_lanes(banned + t));
+        if (stream)
+          vstream(out + t, masked);
+        else
+          vstore(out + t, masked);
+      }
       m = vmax(m, xv);
       nan = lanes_or(nan, nan_lanes(xv));
     }
@@ -58,6 +66,7 @@ float block_maxima(const float* x, const bool* banned, float* out, int64_t vocab
     any_nan |= std::isnan(x[t]);
     top = std::max(top, x[t]);
   }
+  if (out != nullptr && stream) _mm_sfence();  // the streamed copy before anyone reads it
   return any_nan ? std::numeric_limits<float>::quiet_NaN() : top;
 }
 

@@ -74,14 +74,16 @@ def banned_mask(vocab: int) -> torch.Tensor:
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_block_maxima_and_masked_copy_are_torchs(isa, vocab, strided):
+    """out's rows aligned for streaming stores (offset 0, vocab a multiple of 16) or not."""
     x = edge_rows(vocab, strided)
     banned = banned_mask(vocab)
-    out = torch.full_like(x, 7.0).contiguous()
-    stats = logit_stats(x, banned, out)
-    assert torch.equal(stats.block_max, block_maxima(x))
-    assert torch.equal(out, torch.where(banned, NEG_INF, x))
-    assert torch.equal(logit_stats(x, None, out).block_max, block_maxima(x))
-    assert torch.equal(out, x)  # no mask: a plain copy
+    for offset in (0, 1):
+        out = torch.full((12 * vocab + offset,), 7.0)[offset:].view(12, vocab)
+        stats = logit_stats(x, banned, out)
+        assert torch.equal(stats.block_max, block_maxima(x))
+        assert torch.equal(out, torch.where(banned, NEG_INF, x))
+        assert torch.equal(logit_stats(x, None, out).block_max, block_maxima(x))
+        assert torch.equal(out, x)  # no mask: a plain copy
     assert torch.equal(logit_stats(x).block_max, block_maxima(x))
 
 
