@@ -9,9 +9,9 @@ constexpr int64_t kBlockVecs = kLogitBlock / W;
 constexpr int64_t kSumVecs = 16;  // vectors summed in fp32 before their sum joins the fp64 total
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// e^x lanewise for the x a logsumexp meets: x <= 0 (a logit less its row's maximum) within
-// 2 ulp, -inf and anything below e^-87 -> 0, +inf -> inf, NaN -> NaN. (max and min keep a
-// NaN only in their second operand.)
+// e^x lanewise for the x a logsumexp meets: x <= 0 (a logit less its row's maximum), -inf
+// and anything below -87 -> 0, +inf -> inf, NaN -> NaN. (max and min keep a NaN only in their
+// second operand.)
 inline Vec exp_lanes(Vec x) {
   const Vec c = vmin(vset1(89.0f), vmax(vset1(-87.0f), x));  // 2^n for n in [-126, 128]
   const Vec n = vround(vmul(c, vset1(1.44269504088896341f)));

@@ -13,9 +13,9 @@ constexpr int64_t kLogitBlock = 64;
 // One row of logits x [vocab], read once from memory: the maximum of each whole block of
 // kLogitBlock tokens into block_max [vocab / kLogitBlock] (NaN where the block holds one, as
 // torch's amax), and log(sum(e^x)) into *lse (shifted by the row's maximum, or by 0 where that
-// is +-inf, as torch's logsumexp; e^x from a polynomial within 2 ulp, the sum in fp64 over
-// fp32 partial sums). Where `out` is given, x with -inf where banned[t] (banned may be null:
-// a plain copy) goes into out [vocab] on the way.
+// is +-inf, as torch's logsumexp; e^x from a degree-7 polynomial after a two-constant ln 2
+// reduction, the sum in fp64 over fp32 partial sums). Where `out` is given, x with -inf where
+// banned[t] (banned may be null: a plain copy) goes into out [vocab] on the way.
 using LogitRow = void (*)(const float* x, const bool* banned, float* out, int64_t vocab,
                           float* block_max, float* lse);
 
