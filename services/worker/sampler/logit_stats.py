@@ -35,5 +35,6 @@ def logit_stats(
 ) -> LogitStats:
     """x: [r, vocab] fp32 logits (`fused(x)`) -> its LogitStats; with out ([r, vocab],
     contiguous), x with -inf where banned ([r, vocab] bool; None: none) is written into it."""
-    block_max, lse = torch.ops.skiff_cpu.logit_stats(x, banned, out)
+    mask = None if banned is None else banned.contiguous()
+    block_max, lse = torch.ops.skiff_cpu.logit_stats(x, mask, out)
     return LogitStats(block_max, lse)

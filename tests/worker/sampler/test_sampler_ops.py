@@ -74,7 +74,8 @@ def banned_mask(vocab: int) -> torch.Tensor:
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_block_maxima_and_masked_copy_are_torchs(isa, vocab, strided):
-    """out's rows aligned for streaming stores (offset 0, vocab a multiple of 16) or not."""
+    """out's rows aligned for streaming stores (offset 0, vocab a multiple of 16) or not; a
+    mask with strided rows."""
     x = edge_rows(vocab, strided)
     banned = banned_mask(vocab)
     for offset in (0, 1):
@@ -85,6 +86,9 @@ def test_block_maxima_and_masked_copy_are_torchs(isa, vocab, strided):
         assert torch.equal(logit_stats(x, None, out).block_max, block_maxima(x))
         assert torch.equal(out, x)  # no mask: a plain copy
     assert torch.equal(logit_stats(x).block_max, block_maxima(x))
+    wide_mask = torch.cat((banned, banned[:, :3]), dim=1)[:, :vocab]  # strided mask rows
+    logit_stats(x, wide_mask, out)
+    assert torch.equal(out, torch.where(banned, NEG_INF, x))
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
