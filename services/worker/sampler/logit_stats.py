@@ -2,9 +2,9 @@
 `skiff_cpu::logit_stats` (kernels/csrc/sampler_ops.cpp), where it runs (`fused`).
 
 Torch takes one pass over a [256, 49152] fp32 batch (50 MB) for the block maxima that
-block_topk needs, and another, with a full-size temporary, for the logsumexp; the op reads each
-row once from memory and sums its exponentials while the row is still in cache, and it can
-write the row's whitelist-masked working copy on the way. Its block maxima are torch's; its
+block_topk needs, and another for the logsumexp (subtract, exp, sum); the op reads each row
+once from memory and sums its exponentials while the row is still in cache, and it can write
+the row's whitelist-masked working copy on the way. Its block maxima are torch's; its
 logsumexp is within a few ulp of torch's (its own e^x, a different summation order), not bit
 for bit. Elsewhere (a GPU, no C++ ops) the sampler keeps its torch path.
 """
