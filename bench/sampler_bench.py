@@ -10,6 +10,8 @@ The naive loop does the same per request with plain torch ops and full-vocabular
 With every feature on at batch 256, each sampler stage (STAGES) is also timed on its own.
 
 python bench/sampler_bench.py   (bench/bench.py calls run_sampler_bench())
+python bench/sampler_bench.py --cpu-time   CPU time of the all-on batch-256 step on one thread
+    (time.process_time; steadier than wall time on a shared machine)
 """
 
 from __future__ import annotations
@@ -288,6 +290,30 @@ def run_sampler_bench(device: str = "cpu") -> tuple[list[SamplerRow], DecodeShar
     return rows, share
 
 
+def cpu_time_ms(steps: int = 15, rounds: int = 3) -> list[float]:
+    """Median CPU ms of the all-on DECODE_BATCH step (metadata + call) on one thread, over
+    `steps` steps, for each of `rounds` rounds, on one decode step's logits."""
+    llm = LLM(max_num_batched_tokens=8 * DECODE_BATCH, max_num_seqs=DECODE_BATCH, device="cpu")
+    logits = decode_step(llm, DECODE_BATCH)[2]
+    case, eos = Case("on", logits), llm.runner.model_config.eos_token_ids
+    sampler, threads = Sampler(seed=0), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        batched_step(case, sampler, logits.clone(), eos)  # warm-up
+        medians = []
+        for _ in range(rounds):
+            times = []
+            for _ in range(steps):
+                x = logits.clone()
+                start = time.process_time()
+                batched_step(case, sampler, x, eos)
+                times.append(time.process_time() - start)
+            medians.append(1e3 * statistics.median(times))
+        return medians
+    finally:
+        torch.set_num_threads(threads)
+
+
 def report(rows: list[SamplerRow], last: DecodeShare) -> None:
     print(f"{'batch':>5} {'features':>8} {'batched ms':>11} {'naive loop ms':>14} {'speedup':>8}")
     for r in rows:
@@ -312,4 +338,8 @@ def report(rows: list[SamplerRow], last: DecodeShare) -> None:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    report(*run_sampler_bench("cuda" if "--cuda" in sys.argv else "cpu"))
+    if "--cpu-time" in sys.argv:
+        medians = ", ".join(f"{ms:.1f}" for ms in cpu_time_ms())
+        print(f"all features on at batch {DECODE_BATCH}, one thread: {medians} ms CPU per step")
+    else:
+        report(*run_sampler_bench("cuda" if "--cuda" in sys.argv else "cpu"))

@@ -13,7 +13,10 @@
 - `paged_attention(...)`: a step's tokens against the paged cache
   (`services/worker/attention/cpu_backend.py`);
 - `rms_norm`, `rotary_embedding`, `silu_and_mul`: the model's elementwise ops
-  (`kernels/ops.py` dispatches CPU fp32 tensors to all but `decode_layer`).
+  (`kernels/ops.py` dispatches CPU fp32 tensors to all but `decode_layer`);
+- `logit_stats`, `row_topk` (`kernels/csrc/sampler_ops.cpp`): the sampler's passes over the
+  logits, block maxima and logsumexp in one read of each row (with the whitelist-masked copy
+  on the way) and small top-k selections (`services/worker/sampler/logit_stats.py`).
 
 They split their work over torch's thread count on a pool of their own
 (kernels/csrc/spin_pool.h) whose threads spin for `SKIFF_CPU_SPIN_US` (200) microseconds

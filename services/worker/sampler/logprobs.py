@@ -8,7 +8,8 @@ sampled token's (vLLM's rule), so ties share the worse rank.
 Both come from the 16 blocks (block_topk) with the largest maxima: the top values, and the
 rank of any token above the smallest of those maxima (nothing outside the blocks can count);
 other ranks take a pass over the row. The logsumexp runs a few rows at a time through a buffer
-that stays in cache (no [rows, vocab] temporary).
+that stays in cache (no [rows, vocab] temporary). Given the rows' LogitStats (logit_stats.py),
+the block maxima and the logsumexp come from them instead.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.sampler.block_topk import Candidates, candidates, topk
+from services.worker.sampler.block_topk import Candidates, candidates, row_topk, topk
 from services.worker.sampler.chunking import logsumexp_with_max
+from services.worker.sampler.logit_stats import LogitStats
 
 _RANK_BLOCKS = 16  # blocks of 64 tokens searched for the top values and the sampled token's rank
 _TIE_WINDOW = 64
@@ -32,19 +34,24 @@ class TopLogprobs:
 
 
 def top_logprobs(
-    values: torch.Tensor, token_ids: torch.Tensor, num_top: int, as_logprobs: torch.Tensor
+    values: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_top: int,
+    as_logprobs: torch.Tensor,
+    stats: LogitStats | None = None,
 ) -> TopLogprobs:
-    """values: [r, vocab] fp32 logits; token_ids: [r], as_logprobs: [r] bool ->
-    TopLogprobs."""
+    """values: [r, vocab] fp32 logits; token_ids: [r], as_logprobs: [r] bool; stats: values'
+    LogitStats, where at hand -> TopLogprobs."""
     num_top = min(num_top, values.shape[1])
-    cand = candidates(values, max(num_top + 1, _RANK_BLOCKS))
+    maxima = None if stats is None else stats.block_max
+    cand = candidates(values, max(num_top + 1, _RANK_BLOCKS), maxima)
     head, head_ids = _head(values, cand, num_top)  # [r, <= num_top + 1] descending
     chosen = values.gather(1, token_ids.unsqueeze(1))  # [r, 1]
     out = torch.cat((chosen, head[:, :num_top]), dim=1)  # [r, 1 + k]
     ids = torch.cat((token_ids.unsqueeze(1), head_ids[:, :num_top]), dim=1)
     ranks = _ranks(values, cand, chosen)
     if bool(as_logprobs.any()):
-        lse = logsumexp_with_max(values, head[:, :1])
+        lse = logsumexp_with_max(values, head[:, :1]) if stats is None else stats.lse
         out = out - torch.where(as_logprobs.unsqueeze(1), lse, torch.zeros_like(lse))
     return TopLogprobs(ids, out, ranks)
 
@@ -56,7 +63,7 @@ def _head(
 
     Without ties among them, the first num_top ids are the only possible ones; rows with a tie
     take theirs from a window of max(num_top, 64), the tie order these ids always had."""
-    head, picked = cand.values.topk(min(num_top + 1, cand.values.shape[1]), dim=1)
+    head, picked = row_topk(cand.values, min(num_top + 1, cand.values.shape[1]))
     ids = cand.token_ids(picked)
     tied = torch.nonzero(~(head[:, 1:] < head[:, :-1]).all(dim=1)).squeeze(1)  # NaN counts too
     if tied.numel() and num_top:

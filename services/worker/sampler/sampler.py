@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.sampler import block_topk, processors, topk_topp
+from services.worker.sampler.logit_stats import LogitStats, fused, logit_stats
 from services.worker.sampler.logprobs import scatter_rows, top_logprobs
 from services.worker.sampler.metadata import LogprobsSpec, SamplingMetadata
 from services.worker.sampler.penalties import apply_penalties
@@ -50,7 +51,7 @@ class Sampler:
             return SamplerOutput(torch.empty(0, dtype=torch.long, device=logits.device))
         lp = meta.logprobs
         raw_rows = lp.raw_rows if lp is not None else None
-        x, allowed_done = self._working_logits(logits, meta, keep_raw=raw_rows is not None)
+        x, allowed_done, raw_stats = self._working_logits(logits, meta, raw_rows)
         apply_logit_processors(x, meta, allowed_done)
         if meta.penalties is not None:
             apply_penalties(x, meta.penalties)
@@ -62,23 +63,30 @@ class Sampler:
         result = SamplerOutput(sampled_token_ids=sampled)
         if lp is not None:
             raw = None if raw_rows is None else rows_of(logits, raw_rows).float()
-            _attach_logprobs(result, lp, raw, processed)
+            _attach_logprobs(result, lp, raw, processed, raw_stats)
         return result
 
     def _working_logits(
-        self, logits: torch.Tensor, meta: SamplingMetadata, keep_raw: bool
-    ) -> tuple[torch.Tensor, bool]:
-        """fp32 logits for the in-place steps ([n, vocab]), and whether the allowed-token
-        whitelist is applied already. When raw logprobs need the logits untouched: a buffer
-        kept across steps, filled by the whitelist's pass where it covers every row (no
-        separate copy); logits itself is then left unchanged."""
-        if not keep_raw or not meta.changes_logits or logits.dtype != torch.float32:
-            return logits.float(), False  # a copy unless logits are fp32 already
+        self, logits: torch.Tensor, meta: SamplingMetadata, raw_rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, bool, LogitStats | None]:
+        """fp32 logits for the in-place steps ([n, vocab]), whether the allowed-token
+        whitelist is applied already, and the raw logits' LogitStats where they came on the way.
+        When raw logprobs (raw_rows) need the logits untouched: a buffer kept across steps,
+        filled by the whitelist's pass where it covers every row (no separate copy), which
+        also takes the raw stats where every row wants them and the C++ op runs; logits
+        itself is then left unchanged."""
+        if raw_rows is None or not meta.changes_logits or logits.dtype != torch.float32:
+            return logits.float(), False, None  # a copy unless logits are fp32 already
         work = self._buffer("work", logits.shape, logits.device)[: len(logits)]
         allowed = meta.allowed
-        if allowed is not None and len(allowed.rows) == len(logits):
-            return processors.apply_allowed_token_ids(logits, allowed, out=work), True
-        return work.copy_(logits), False
+        if allowed is not None and len(allowed.rows) < len(logits):
+            allowed = None  # a whitelist of some rows only is applied in place later
+        if fused(logits) and len(raw_rows) == len(logits):
+            banned = None if allowed is None else allowed.banned
+            return work, allowed is not None, logit_stats(logits, banned, out=work)
+        if allowed is not None:
+            return processors.apply_allowed_token_ids(logits, allowed, out=work), True, None
+        return work.copy_(logits), False, None
 
     def _sample(
         self, logits: torch.Tensor, meta: SamplingMetadata
@@ -179,14 +187,23 @@ def _attach_logprobs(
     lp: LogprobsSpec,
     raw: torch.Tensor | None,
     processed: torch.Tensor | None,
+    raw_stats: LogitStats | None = None,
 ) -> None:
-    """raw / processed: the logits of lp.raw_rows / lp.processed_rows (None: no such rows)."""
+    """raw / processed: the logits of lp.raw_rows / lp.processed_rows (None: no such rows);
+    raw_stats: raw's LogitStats where already taken (else the C++ op takes them where it
+    runs)."""
     sampled = result.sampled_token_ids
-    parts = [
-        (rows, top_logprobs(values, sampled[rows], lp.max_num, lp.as_logprobs[rows]))
-        for rows, values in ((lp.raw_rows, raw), (lp.processed_rows, processed))
-        if rows is not None and values is not None
-    ]
+    parts = []
+    for rows, values, stats in (
+        (lp.raw_rows, raw, raw_stats),
+        (lp.processed_rows, processed, None),
+    ):
+        if rows is None or values is None:
+            continue
+        if stats is None and fused(values):
+            stats = logit_stats(values)
+        part = top_logprobs(values, sampled[rows], lp.max_num, lp.as_logprobs[rows], stats)
+        parts.append((rows, part))
     top = scatter_rows(parts, len(sampled))
     result.logprob_token_ids, result.logprobs, result.sampled_ranks = (
         top.token_ids,

@@ -120,7 +120,7 @@ def _window(
     ids = torch.nn.functional.pad(ids, (0, width - first))
     if wide.numel():
         wide = wide.squeeze(1)
-        more, more_ids = topk(x[wide], width, None if maxima is None else maxima[wide])
+        more, more_ids = topk(x, width, None if maxima is None else maxima[wide], wide)
         values[wide] = divided(more, None if divisor is None else divisor[wide])
         ids[wide] = more_ids
     return values, ids

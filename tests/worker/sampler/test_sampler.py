@@ -521,6 +521,19 @@ def test_block_topk_and_argmax_match_torch(vocab, strided):
         assert all(len(set(row)) == k for row in ids.tolist())
 
 
+@pytest.mark.parametrize("vocab", [300, 5000, 49155])
+def test_block_topk_of_some_rows_equals_block_topk_of_their_copy(vocab):
+    """`rows` picks blocks straight from x: the values and ids of x[rows]'s own topk."""
+    x = torch.randn(12, vocab, generator=torch.Generator().manual_seed(vocab))
+    x[3, -1] = 100.0  # maximum in the tail
+    rows = torch.tensor([0, 3, 4, 11])
+    maxima = block_topk.block_maxima(x)[rows]
+    for k in (1, 17, 65):
+        want = block_topk.topk(x[rows], k)
+        for got in (block_topk.topk(x, k, rows=rows), block_topk.topk(x, k, maxima, rows)):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("vocab", [300, 5000, 49152, 49155])
 def test_top_logprobs_match_a_full_pass(vocab):
     """Top values, their ids and the chosen token's rank, against a full pass over each row:
