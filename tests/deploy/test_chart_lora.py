@@ -87,3 +87,38 @@ def test_lora_needs_a_volume_and_valid_names() -> None:
         lora_values(modules={"bad name": "x"})
     )
     assert "'x y' does not match pattern" in render_error(lora_values(modules={"a": "x y"}))
+
+
+def test_each_model_has_adapters_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `models` entry's lora: its own modules and volume over the top-level settings; an
+    entry without one serves no adapters (the top-level ones fit the first model only)."""
+    own = {"persistentVolumeClaim": {"claimName": "small-adapters", "readOnly": True}}
+    entries = [
+        {
+            "id": "small",
+            "model": {"source": "embedded"},
+            "lora": {"enabled": True, "maxLoras": 2, "modules": {"chat": "c1"}, "volume": own},
+        },
+        {"id": "other", "model": {"source": "embedded"}},
+    ]
+    docs = render(None, lora_values(runtimeLoading=False), f"models={json.dumps(entries)}")
+    first = parsed(scheduler_parser, scheduler_env(docs), monkeypatch)[SchedulerServiceConfig]
+    assert parse_lora_modules(first.lora_modules) == {
+        "chat": "/adapters/team/chat",
+        "sql": "/adapters/sql-v2",
+    }
+    small_env = env_of(container(docs, "Deployment", "skiff-small-scheduler"))
+    small = parsed(scheduler_parser, small_env, monkeypatch)[SchedulerServiceConfig]
+    assert parse_lora_modules(small.lora_modules) == {"chat": "/adapters/c1"}
+    worker = env_of(container(docs, "StatefulSet", "skiff-small-worker"))
+    runner = runner_config(worker, monkeypatch)
+    assert (runner.enable_lora, runner.max_loras, runner.max_lora_rank) == (True, 2, 32)
+    pod = pod_spec(find(docs, "StatefulSet", "skiff-small-worker"))
+    assert volumes(pod)["lora"] == {"name": "lora", **own}  # replaced, not merged with PVC's
+    assert not any(
+        k.startswith("SKIFF_LORA")
+        for k in env_of(container(docs, "Deployment", "skiff-other-scheduler"))
+    )
+    other = pod_spec(find(docs, "StatefulSet", "skiff-other-worker"))
+    assert "SKIFF_ENABLE_LORA" not in env_of(other["containers"][0])
+    assert "lora" not in volumes(other)

@@ -78,6 +78,7 @@ OVERRIDES = {
     "workerOverrides": "#/properties/worker",
     "schedulerOverrides": "#/properties/scheduler",
     "engineOverrides": "#/properties/engine",
+    "loraOverrides": "#/properties/lora",
 }
 # An entry's model path is its own (not inherited): required unless the model is embedded.
 PATH_RULE: Doc = {

@@ -12,8 +12,9 @@ A `models` entry's values are the top-level ones but for subjectPrefix
 top-level ones: maps key by key, the entry's winning; lists, null and other values replace),
 model (the entry's merged over the top-level model, whose path, servedModelName and
 download.enabled, repo and revision it does not inherit: its servedModelName is the entry's,
-default the id), gateway.tokenizer (the entry's `tokenizer`) and lora (off: adapters are the
-first model's).
+default the id), gateway.tokenizer (the entry's `tokenizer`) and lora (the entry's merged over
+the top-level settings, but off and with no modules unless the entry names them: adapters fit
+one model; the entry's volume replaces the top-level one).
 
 Templates return text only: the list comes back in `into`, (dict "ctx" $ "into" $m), then
 `range $m.models`. */}}
@@ -47,7 +48,12 @@ Templates return text only: the list comes back in `into`, (dict "ctx" $ "into" 
 {{- end }}
 {{- $tokenizer := mergeOverwrite (dict "volume" dict "path" "") (deepCopy ($entry.tokenizer | default dict)) }}
 {{- $_ = set $values "gateway" (merge (dict "tokenizer" $tokenizer) (omit $top.gateway "tokenizer")) }}
-{{- $_ = set $values "lora" (merge (dict "enabled" false) (omit $top.lora "enabled")) }}
+{{- $lora := merge (dict "enabled" false "modules" dict) (deepCopy (omit $top.lora "enabled" "modules")) }}
+{{- $entryLora := deepCopy ($entry.lora | default dict) }}
+{{- if $entryLora.volume }}
+{{- $_ = set $lora "volume" $entryLora.volume }}
+{{- end }}
+{{- $_ = set $values "lora" (mergeOverwrite $lora (omit $entryLora "volume")) }}
 {{- $meta := dict "id" $entry.id "name" (printf "%s-%s" $fullname $entry.id) "labels" (dict (include "skiff.modelLabel" $root) $entry.id) "key" (printf "models[%s]." $entry.id) }}
 {{- $models = append $models (dict "values" $values "model" $meta) }}
 {{- end }}
