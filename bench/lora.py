@@ -26,8 +26,11 @@ RANK = 16
 ADAPTER_COUNTS = (1, 4, 16)
 
 
-def write_adapter(root: Path, name: str, mc: ModelConfig, rank: int, seed: int) -> LoRARequest:
-    """A random rank-`rank` PEFT adapter of every projection of `mc`'s layers."""
+def write_adapter(
+    root: Path, name: str, mc: ModelConfig, rank: int, seed: int, b_scale: float = 0.01
+) -> LoRARequest:
+    """A random rank-`rank` PEFT adapter of every projection of `mc`'s layers (lora_B drawn
+    with standard deviation `b_scale`)."""
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(mc.num_hidden_layers):
@@ -35,7 +38,7 @@ def write_adapter(root: Path, name: str, mc: ModelConfig, rank: int, seed: int) 
             fan_in, fan_out = target_shape(mc, target)
             key = f"base_model.model.model.layers.{layer}.{module.split('.')[0]}.{target}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in**0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * b_scale
     path = root / name
     path.mkdir(parents=True)
     config = {
