@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from kernels import cpu_ops, ops
 from kernels import reference as torch_reference
 from services.worker.weight_format import INT8_GROUP, quantize_int8
+from tests.cpu_isa import running_isa
 
 pytestmark = pytest.mark.unit
 
@@ -23,12 +24,8 @@ pytestmark = pytest.mark.unit
 @pytest.fixture(scope="module", autouse=True, params=cpu_ops.ISAS)
 def kernel(request):
     """Every test runs with each instruction set's kernels that this CPU can run."""
-    assert cpu_ops.load(), "the C++ CPU ops must build and run on x86-64 with g++ (AVX2 or more)"
-    widest = cpu_ops.isa()
-    if not cpu_ops.use_isa(request.param):
-        pytest.skip(f"this CPU has no {request.param}")
-    yield request.param
-    cpu_ops.use_isa(widest)
+    with running_isa(request.param) as isa:
+        yield isa
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from unittest.mock import patch
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
 
+from bench.sampler_bench import params_for
 from kernels import cpu_ops
 from services.worker.sampler import Sampler, SamplerOutput
 from services.worker.sampler import sampler as sampler_module
@@ -20,6 +22,7 @@ from services.worker.sampler.block_topk import block_maxima, row_topk
 from services.worker.sampler.logit_stats import fused, logit_stats
 from services.worker.sampler.logprobs import top_logprobs
 from shared.sampling_params import LOGPROBS_MODES, SamplingParams
+from tests.cpu_isa import running_isa
 from tests.worker.sampler.test_sampler import Req, batch_st, make_metadata
 
 pytestmark = pytest.mark.unit
@@ -33,12 +36,8 @@ LOGPROB_TOL = {"rtol": 1e-6, "atol": 4e-6}  # 4e-6: two fp32 ulps of a logsumexp
 @pytest.fixture(params=cpu_ops.ISAS)
 def isa(request):
     """Runs the op with each instruction set's kernels that this CPU can run."""
-    assert cpu_ops.load(), "the C++ CPU ops must build and run on x86-64 with g++ (AVX2 or more)"
-    widest = cpu_ops.isa()
-    if not cpu_ops.use_isa(request.param):
-        pytest.skip(f"this CPU has no {request.param}")
-    yield request.param
-    cpu_ops.use_isa(widest)
+    with running_isa(request.param) as name:
+        yield name
 
 
 def edge_rows(vocab: int, strided: bool = False) -> torch.Tensor:
@@ -206,23 +205,7 @@ def all_on(i: int, vocab: int, mode: str) -> Req:
     """Every feature on (bench/sampler_bench.py's batch), logprobs of `mode`."""
     g = torch.Generator().manual_seed(i)
     history = torch.randint(0, vocab, (24,), generator=g).tolist()
-    params = SamplingParams(
-        temperature=0.8,
-        top_k=50,
-        top_p=0.9,
-        min_p=0.05,
-        seed=i,
-        repetition_penalty=1.1,
-        frequency_penalty=0.3,
-        presence_penalty=0.2,
-        logit_bias={7: 2.0, 11: -3.0},
-        min_tokens=100,
-        stop_token_ids=[5, 6],
-        bad_words_token_ids=[[100], [200, 201]],
-        allowed_token_ids=list(range(vocab - 700)),
-        logprobs=5,
-        logprobs_mode=mode,
-    )
+    params = msgspec.structs.replace(params_for("on", i, vocab), logprobs_mode=mode)
     return Req(params, history[:12], history[12:])
 
 
