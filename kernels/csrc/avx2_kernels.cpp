@@ -18,6 +18,7 @@
 
 namespace skiff_cpu::avx2 {
 #include "simd_avx2.h"
+#include "simd_exp.h"
 #include "kernel_bodies.h"
 #include "q8_bodies.h"
 }  // namespace skiff_cpu::avx2

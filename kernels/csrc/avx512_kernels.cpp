@@ -17,6 +17,7 @@
 
 namespace skiff_cpu::avx512 {
 #include "simd_avx512.h"
+#include "simd_exp.h"
 #include "kernel_bodies.h"
 }  // namespace skiff_cpu::avx512
 

@@ -232,24 +232,9 @@ float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// e^x, W at a time: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7
-// (relative error ~1e-8, below fp32 rounding), times 2^n. x is clamped to [-87, 88]:
-// e^-87 ~ 1.6e-38 is still a normal fp32, e^88 ~ 1.7e38 still finite.
-inline Vec vexp(Vec x) {
-  x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
-  const Vec n = vround(vmul(x, vset1(1.44269504088896341f)));
-  Vec r = vfnmadd(n, vset1(0.693145751953125f), x);       // ln2, high bits
-  r = vfnmadd(n, vset1(1.428606765330187045e-06f), r);    // ln2, the rest
-  Vec p = vset1(1.0f / 5040);
-  p = vfmadd(p, r, vset1(1.0f / 720));
-  p = vfmadd(p, r, vset1(1.0f / 120));
-  p = vfmadd(p, r, vset1(1.0f / 24));
-  p = vfmadd(p, r, vset1(1.0f / 6));
-  p = vfmadd(p, r, vset1(0.5f));
-  p = vfmadd(p, r, vset1(1.0f));
-  p = vfmadd(p, r, vset1(1.0f));
-  return vscale2(p, n);
-}
+// e^x, W at a time (simd_exp.h), x clamped to [-87, 88]: e^-87 ~ 1.6e-38 is still a normal
+// fp32, e^88 ~ 1.7e38 still finite.
+inline Vec vexp(Vec x) { return exp_clamped(vmin(vmax(x, vset1(-87.0f)), vset1(88.0f))); }
 
 // s[t] = e^(s[t] - shift) in place; returns their sum.
 float exp_shifted(float* s, int64_t n, float shift) {

@@ -16,6 +16,7 @@
 
 namespace skiff_cpu::sampler_avx2 {
 #include "simd_avx2.h"
+#include "simd_exp.h"
 
 inline Mask no_lanes() { return _mm256_setzero_ps(); }
 inline Mask lanes_or(Mask a, Mask b) { return _mm256_or_ps(a, b); }

@@ -15,6 +15,7 @@
 
 namespace skiff_cpu::sampler_avx512 {
 #include "simd_avx512.h"
+#include "simd_exp.h"
 
 inline Mask no_lanes() { return 0; }
 inline Mask lanes_or(Mask a, Mask b) { return a | b; }

@@ -14,18 +14,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // second operand.)
 inline Vec exp_lanes(Vec x) {
   const Vec c = vmin(vset1(89.0f), vmax(vset1(-87.0f), x));  // 2^n for n in [-126, 128]
-  const Vec n = vround(vmul(c, vset1(1.44269504088896341f)));
-  Vec r = vfnmadd(n, vset1(0.693145751953125f), c);     // ln2, high bits
-  r = vfnmadd(n, vset1(1.428606765330187045e-06f), r);  // ln2, the rest
-  Vec p = vset1(1.0f / 5040);
-  p = vfmadd(p, r, vset1(1.0f / 720));
-  p = vfmadd(p, r, vset1(1.0f / 120));
-  p = vfmadd(p, r, vset1(1.0f / 24));
-  p = vfmadd(p, r, vset1(1.0f / 6));
-  p = vfmadd(p, r, vset1(0.5f));
-  p = vfmadd(p, r, vset1(1.0f));
-  p = vfmadd(p, r, vset1(1.0f));
-  return zero_below(vscale2(p, n), x, vset1(-87.0f));
+  return zero_below(exp_clamped(c), x, vset1(-87.0f));
 }
 
 // Block maxima of x's whole blocks (and the masked copy into out, where given); returns the
