@@ -45,10 +45,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import llamacpp, long_prompts, roofline  # noqa: E402
+from bench.cpu_step import decode_only, engine_run, tg_prompt  # noqa: E402
 from bench.plots import plot_throughput  # noqa: E402
 from bench.sampler_bench import DecodeShare, SamplerRow  # noqa: E402
-from bench.workload import reference_workload, token_prompts  # noqa: E402
-from services.offline import LLM, SamplingParams  # noqa: E402
+from bench.workload import reference_workload  # noqa: E402
+from services.offline import LLM  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import GenerationMixin
@@ -81,26 +82,7 @@ def hf_static_batches(
     return time.perf_counter() - start
 
 
-def engine_run(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> tuple[float, int]:
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
-    start = time.perf_counter()
-    results = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    return elapsed, sum(len(r.outputs[0].token_ids) for r in results)
-
-
 SINGLE_STREAM_ROUNDS = 3
-
-
-def decode_only(llm: LLM, prompt: list[int], new_tokens: int = 64, repeats: int = 3) -> float:
-    """Decode steps alone, as llama-bench's tg<new_tokens> counts them: tokens/s of a request
-    producing new_tokens + 1 tokens, less the time of the same request producing 1 (its
-    prefill and first token); best of `repeats`."""
-
-    def best(n: int) -> float:
-        return min(engine_run(llm, [prompt], [n])[0] for _ in range(repeats))
-
-    return new_tokens / (best(new_tokens + 1) - best(1))
 
 
 def single_decode(
@@ -263,7 +245,7 @@ def run(args: argparse.Namespace, out: Path) -> None:
             )
         )
 
-    prompt = token_prompts(llm.tokenizer, [16], seed=3)[0]
+    prompt = tg_prompt(llm.tokenizer)
     ours_single, hf_single = single_decode(llm, hf, prompt, 128)
     ours_tg = decode_only(llm, prompt)
 
