@@ -99,11 +99,11 @@ def tg_prompt(tokenizer: TokenEncoder) -> list[int]:
 
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> tuple[int, int]:
     """(tokens before each request's first difference from `reference`, all of reference's
-    tokens)."""
+    tokens); a request that ends before its reference differs where it ends."""
     same = 0
     for got, want in zip(tokens, reference, strict=True):
         pairs = enumerate(zip(got, want, strict=False))
-        same += next((i for i, (a, b) in pairs if a != b), len(want))
+        same += next((i for i, (a, b) in pairs if a != b), min(len(got), len(want)))
     return same, sum(map(len, reference))
 
 
