@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import shlex
 import sys
 import time
@@ -145,7 +146,8 @@ class Precision:
             "# skiff and llama.cpp at each precision (bench/precision.py)",
             "",
             f"Command: `{command}` ({time.strftime('%Y-%m-%d')}); skiff with "
-            f"{self.skiff_threads} threads, llama.cpp `-t {threads}`.",
+            f"{self.skiff_threads} threads, llama.cpp `-t {threads}`; load average "
+            f"{os.getloadavg()[0]:.1f} at the end (others' work on a shared machine).",
             f"`{cpu_line}`",
             "",
             "Decode: single stream, tg64 (skiff: its decode steps after a 16-token prompt; "
