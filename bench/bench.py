@@ -17,15 +17,19 @@ batch size, the offline engine with every request at once, llama-server at each 
 cpu-latency.png (the served path's TTFT and inter-token latency CDFs). The long-prompt section
 (bench/long_prompts.py, --no-long-prompts skips it) measures prefill at 512, 2k and 8k prompt
 tokens in process and served, against llama.cpp's `llama-bench -p` and `llama-server`, and the
-ITL of running streams while an 8k prompt is admitted. The last lines are `prefill ratio vs
-llama.cpp at 2k: X.XX` and `prefill ratio vs llama.cpp at 8k: X.XX` (skiff's in-process prefill
-tokens/s / llama-bench's), `throughput ratio vs llama.cpp: X.XX` (skiff served / llama-server
-at its best slot count), `single-stream ratio vs llama.cpp: X.XX` (skiff's decode steps of one
-request, prefill excluded as llama-bench's tg64 excludes it / llama-bench tg64; the two take
-turns three times and each keeps its best) and `throughput ratio vs transformers: X.XX`, after
-a `cpu: ...` line naming the CPU, its extensions and the ISA of skiff's C++ kernels, with
-`lora throughput ratio 16 adapters / base: X.XX` and `served throughput ratio NATS TLS on / off:
-X.XX` before the last.
+ITL of running streams while an 8k prompt is admitted. With llama.cpp, the precision section
+(bench/precision.py) puts skiff's fp32 / bf16 / int8 / q8_0 weights against llama.cpp's F32 /
+BF16 / Q8_0 GGUFs (decode speed, greedy agreement with each engine's fp32) and writes
+cpu-precision.md beside the JSON. The last lines are `prefill ratio vs llama.cpp at 2k: X.XX`
+and `prefill ratio vs llama.cpp at 8k: X.XX` (skiff's in-process prefill tokens/s /
+llama-bench's), `throughput ratio vs llama.cpp: X.XX` (skiff served / llama-server at its best
+slot count), `single-stream ratio vs llama.cpp: X.XX` (skiff's decode steps of one request,
+prefill excluded as llama-bench's tg64 excludes it / llama-bench tg64; the two take turns three
+times and each keeps its best), the precision section's (`int8 speed vs llama.cpp Q8_0: X.XX
+(...)` and the agreements next to Q8_0's among them) and `throughput ratio vs transformers:
+X.XX`, after a `cpu: ...` line naming the CPU, its extensions and the ISA of skiff's C++
+kernels, with `lora throughput ratio 16 adapters / base: X.XX` and `served throughput ratio NATS
+TLS on / off: X.XX` before the last.
 """
 
 from __future__ import annotations
@@ -44,11 +48,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import llamacpp, long_prompts, roofline  # noqa: E402
+from bench import llamacpp, long_prompts, precision, roofline  # noqa: E402
+from bench.cpu_step import decode_only, engine_run, tg_prompt  # noqa: E402
 from bench.plots import plot_throughput  # noqa: E402
 from bench.sampler_bench import DecodeShare, SamplerRow  # noqa: E402
-from bench.workload import reference_workload, token_prompts  # noqa: E402
-from services.offline import LLM, SamplingParams  # noqa: E402
+from bench.workload import reference_workload  # noqa: E402
+from services.offline import LLM  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import GenerationMixin
@@ -81,26 +86,7 @@ def hf_static_batches(
     return time.perf_counter() - start
 
 
-def engine_run(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> tuple[float, int]:
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
-    start = time.perf_counter()
-    results = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    return elapsed, sum(len(r.outputs[0].token_ids) for r in results)
-
-
 SINGLE_STREAM_ROUNDS = 3
-
-
-def decode_only(llm: LLM, prompt: list[int], new_tokens: int = 64, repeats: int = 3) -> float:
-    """Decode steps alone, as llama-bench's tg<new_tokens> counts them: tokens/s of a request
-    producing new_tokens + 1 tokens, less the time of the same request producing 1 (its
-    prefill and first token); best of `repeats`."""
-
-    def best(n: int) -> float:
-        return min(engine_run(llm, [prompt], [n])[0] for _ in range(repeats))
-
-    return new_tokens / (best(new_tokens + 1) - best(1))
 
 
 def single_decode(
@@ -134,6 +120,17 @@ class Tee(io.TextIOBase):
 
     def flush(self) -> None:
         self.stream.flush()
+
+
+def precision_section(args: argparse.Namespace) -> precision.Precision | None:
+    """bench/precision.py at the llama.cpp thread counts (None, saying why, where llama.cpp
+    fails on a GGUF type the F32 run did not need)."""
+    threads = [int(x) for x in args.llama_cpp_threads.split(",")]
+    try:
+        return precision.run(threads, args.requests, version=args.llama_cpp_version)
+    except llamacpp.LlamaCppUnavailable as e:
+        print(f"llama.cpp precision section skipped, failed: {e}")
+        return None
 
 
 def main() -> None:
@@ -176,7 +173,8 @@ def main() -> None:
         "--no-llama-cpp",
         dest="llama_cpp",
         action="store_false",
-        help="skip llama.cpp (llama-server on the workload, llama-bench single stream)",
+        help="skip llama.cpp (llama-server on the workload, llama-bench single stream, the "
+        "precision section)",
     )
     p.add_argument(
         "--llama-cpp-slots",
@@ -263,7 +261,7 @@ def run(args: argparse.Namespace, out: Path) -> None:
             )
         )
 
-    prompt = token_prompts(llm.tokenizer, [16], seed=3)[0]
+    prompt = tg_prompt(llm.tokenizer)
     ours_single, hf_single = single_decode(llm, hf, prompt, 128)
     ours_tg = decode_only(llm, prompt)
 
@@ -335,6 +333,8 @@ def run(args: argparse.Namespace, out: Path) -> None:
 
         tls = tls_bench.run(model_dir, prompts, outputs)
 
+    by_precision = precision_section(args) if llama else None
+
     sampler: tuple[list[SamplerRow], DecodeShare] | None = None
     if args.sampler:
         from bench.sampler_bench import report, run_sampler_bench
@@ -364,6 +364,10 @@ def run(args: argparse.Namespace, out: Path) -> None:
     if tls:
         print("\nserved workload, NATS TLS on against off (bench/tls.py):")
         print("\n".join(tls.report()[:-1]))
+    if by_precision:
+        print("\nskiff and llama.cpp at each precision (bench/precision.py):")
+        print("\n".join(by_precision.report()))
+        precision.write_markdown(by_precision, cpu_line, out.parent / precision.MARKDOWN.name)
     out.write_text(
         json.dumps(
             {
@@ -386,6 +390,7 @@ def run(args: argparse.Namespace, out: Path) -> None:
                 "sampler": [*sampler[0], sampler[1]] if sampler else None,
                 "lora": lora,
                 "tls": tls.as_json() if tls else None,
+                "precision": by_precision.as_json() if by_precision else None,
             },
             indent=2,
         )
@@ -400,6 +405,8 @@ def run(args: argparse.Namespace, out: Path) -> None:
         skiff_served, best_llama, ours_tg, llama_single, llama_missing
     ):
         print(line)
+    if by_precision:
+        print("\n".join(by_precision.ratio_lines()))
     if lora:
         print(f"lora throughput ratio 16 adapters / base: {lora['16 adapters / base']:.2f}")
     if tls:

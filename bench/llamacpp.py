@@ -1,9 +1,10 @@
 """llama.cpp as a peer in `make bench`: build, convert, serve, measure.
 
 `llama-server` and `llama-bench` are built once with cmake from the llama.cpp vendored in the
-`llama-cpp-python` sdist (PyPI) and cached under `<cache>/llama.cpp/<version>/`, next to an F32
-GGUF of our model written by llama.cpp's own `convert_hf_to_gguf.py`. `prepare` raises
-`LlamaCppUnavailable` with the reason when any step fails, so the caller can skip the peer.
+`llama-cpp-python` sdist (PyPI) and cached under `<cache>/llama.cpp/<version>/`, next to GGUFs
+of our model written by llama.cpp's own `convert_hf_to_gguf.py` (F32, and BF16 / Q8_0 for
+bench/precision.py). `prepare` raises `LlamaCppUnavailable` with the reason when any step
+fails, so the caller can skip the peer.
 """
 
 from __future__ import annotations
@@ -109,13 +110,14 @@ def build_command(build: Path, jobs: int = 2) -> list[str]:
     ]
 
 
-def convert_command(source: Path, model_dir: Path, out: Path) -> list[str]:
+def convert_command(source: Path, model_dir: Path, out: Path, outtype: str = "f32") -> list[str]:
+    """`outtype`: the converter's --outtype (f32, bf16, q8_0, ...)."""
     return [
         sys.executable,
         str(source / "convert_hf_to_gguf.py"),
         str(model_dir),
         "--outtype",
-        "f32",
+        outtype,
         "--outfile",
         str(out),
     ]
@@ -219,16 +221,19 @@ def _build(root: Path, version: str, jobs: int) -> Path:
     return source
 
 
-def prepare(model_dir: Path, version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2) -> LlamaCpp:
-    """Build the binaries and convert `model_dir` to an F32 GGUF, each only once (cached)."""
+def prepare(
+    model_dir: Path, version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2, outtype: str = "f32"
+) -> LlamaCpp:
+    """Build the binaries and convert `model_dir` to a GGUF of `outtype` (`<model>-<outtype>.gguf`),
+    each only once (cached)."""
     root = cache_dir(version)
     root.mkdir(parents=True, exist_ok=True)
     source = _build(root, version, jobs)
-    gguf = root / f"{Path(model_dir).name}-f32.gguf"
+    gguf = root / f"{Path(model_dir).name}-{outtype}.gguf"
     if not gguf.is_file():
         tmp = gguf.with_suffix(".tmp")
         env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
-        _run(convert_command(source, Path(model_dir), tmp), root / "convert.log", env)
+        _run(convert_command(source, Path(model_dir), tmp, outtype), root / "convert.log", env)
         tmp.rename(gguf)
     bin_dir = root / "build" / "bin"
     return LlamaCpp(server=bin_dir / "llama-server", bench=bin_dir / "llama-bench", gguf=gguf)
@@ -268,6 +273,58 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+
+
+def completion_request(prompt: list[int], n_predict: int, ignore_eos: bool) -> dict[str, object]:
+    """A `/completion` body for greedy token ids: the prompt as token ids (no BOS is added to
+    those), temperature 0 and top-k 1 (the argmax), nothing reused from an earlier request."""
+    return {
+        "prompt": prompt,
+        "n_predict": n_predict,
+        "temperature": 0.0,
+        "top_k": 1,
+        "ignore_eos": ignore_eos,
+        "cache_prompt": False,
+        "return_tokens": True,
+    }
+
+
+def completion_tokens(text: str) -> list[int]:
+    """The generated token ids (`tokens`) of a non-streamed `/completion` response."""
+    try:
+        tokens = json.loads(text)["tokens"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"llama-server /completion response has no tokens: {e!r}") from e
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise ValueError(f"llama-server /completion tokens are not token ids: {tokens!r:.80}")
+    return tokens
+
+
+def _complete(url: str, body: dict[str, object]) -> list[int]:
+    request = urllib.request.Request(
+        f"{url}/completion",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=600) as resp:
+            return completion_tokens(resp.read().decode())
+    except (OSError, ValueError) as e:
+        raise LlamaCppUnavailable(f"llama-server /completion: {e}") from e
+
+
+def greedy_tokens(
+    llama: LlamaCpp, requests: list[tuple[list[int], int, bool]], threads: int, log: Path
+) -> list[list[int]]:
+    """Greedy token ids of each (prompt ids, n_predict, ignore_eos) request from a
+    `llama-server` with one slot, the requests one at a time."""
+    from services.launcher import free_port
+
+    prompts, counts = [r[0] for r in requests], [r[1] for r in requests]
+    port = free_port()
+    cmd = server_command(llama, port, 1, ctx_per_slot(prompts, counts), threads)
+    with LlamaServer(cmd, port, log) as server:
+        return [_complete(server.url, completion_request(*r)) for r in requests]
 
 
 def single_stream(llama: LlamaCpp, threads: list[int], new_tokens: int = 64) -> dict[int, float]:

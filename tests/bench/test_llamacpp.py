@@ -51,6 +51,66 @@ def test_convert_to_f32_gguf_with_llama_cpps_converter():
     assert cmd[1:3] == ["/s/convert_hf_to_gguf.py", "/m"]
     assert cmd[cmd.index("--outtype") + 1] == "f32"
     assert cmd[-1] == "/o.gguf"
+    q8 = llamacpp.convert_command(Path("/s"), Path("/m"), Path("/q.gguf"), outtype="q8_0")
+    assert q8[q8.index("--outtype") + 1] == "q8_0"
+
+
+def test_prepare_converts_each_outtype_once_to_its_own_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("SKIFF_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(llamacpp, "_build", lambda root, version, jobs: Path("/s"))
+    converted = []
+
+    def convert(cmd, log, env=None):
+        converted.append(cmd[cmd.index("--outtype") + 1])
+        Path(cmd[-1]).write_text("gguf")
+
+    monkeypatch.setattr(llamacpp, "_run", convert)
+    root = tmp_path / "llama.cpp" / "0.3.36"
+    f32 = llamacpp.prepare(Path("/m/SmolLM2"), "0.3.36")
+    q8 = llamacpp.prepare(Path("/m/SmolLM2"), "0.3.36", outtype="q8_0")
+    again = llamacpp.prepare(Path("/m/SmolLM2"), "0.3.36", outtype="q8_0")
+    assert (f32.gguf, q8.gguf, again.gguf) == (
+        root / "SmolLM2-f32.gguf",
+        root / "SmolLM2-q8_0.gguf",
+        root / "SmolLM2-q8_0.gguf",
+    )
+    assert converted == ["f32", "q8_0"]  # cached: the second q8_0 converts nothing
+    assert q8.bench == root / "build" / "bin" / "llama-bench"
+
+
+def test_completion_request_asks_for_greedy_token_ids_without_the_prompt_cache():
+    body = llamacpp.completion_request([1, 2, 3], 16, ignore_eos=False)
+    assert body == {
+        "prompt": [1, 2, 3],
+        "n_predict": 16,
+        "temperature": 0.0,
+        "top_k": 1,
+        "ignore_eos": False,
+        "cache_prompt": False,
+        "return_tokens": True,
+    }
+    assert llamacpp.completion_request([1], 4, ignore_eos=True)["ignore_eos"] is True
+
+
+def test_completion_response_tokens():
+    # Shape of a non-streamed /completion response (tools/server, fields trimmed).
+    body = {"index": 0, "content": " the", "tokens": [260, 30, 2], "stop": True,
+            "tokens_predicted": 3, "stop_type": "eos"}  # fmt: skip
+    assert llamacpp.completion_tokens(json.dumps(body)) == [260, 30, 2]
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("not json", "has no tokens"),
+        ('{"content": "x"}', "has no tokens"),
+        ('["tokens"]', "has no tokens"),
+        ('{"tokens": [1, "x"]}', "not token ids"),
+    ],
+)
+def test_completion_response_without_token_ids_is_a_clear_error(text, error):
+    with pytest.raises(ValueError, match=error):
+        llamacpp.completion_tokens(text)
 
 
 def test_server_context_holds_every_slots_longest_request():
