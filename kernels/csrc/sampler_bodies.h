@@ -81,6 +81,21 @@ void logit_row(const float* x, const bool* banned, float* out, int64_t vocab, fl
   *lse = static_cast<float>(std::log(sum_exp(x, vocab, shift)) + shift);
 }
 
+// The first index of the row's maximum, or of its first NaN where it holds one (torch.argmax):
+// the block maxima, then the first block whose maximum is the row's, then that block's values.
+int64_t argmax_row(const float* x, int64_t vocab, float* block_max) {
+  const float top = block_maxima(x, nullptr, nullptr, vocab, block_max);
+  int64_t from = 0;
+  if (!std::isnan(top)) {
+    const int64_t blocks = vocab / kLogitBlock;
+    while (from < blocks && block_max[from] != top) ++from;
+    from *= kLogitBlock;
+  }
+  for (int64_t t = from; t < vocab; ++t)
+    if (x[t] == top || (std::isnan(top) && std::isnan(x[t]))) return t;
+  return 0;  // not reached: top is one of x's values
+}
+
 }  // namespace
 
-const SamplerKernels sampler_kernels = {logit_row};
+const SamplerKernels sampler_kernels = {logit_row, argmax_row};

@@ -19,8 +19,13 @@ constexpr int64_t kLogitBlock = 64;
 using LogitRow = void (*)(const float* x, const bool* banned, float* out, int64_t vocab,
                           float* block_max, float* lse);
 
+// The first index of the maximum of x [vocab] (of its first NaN where it holds one), as
+// torch.argmax; block_max [vocab / kLogitBlock] is scratch.
+using ArgmaxRow = int64_t (*)(const float* x, int64_t vocab, float* block_max);
+
 struct SamplerKernels {
   LogitRow logit_row;
+  ArgmaxRow argmax_row;
 };
 
 namespace sampler_avx512 {

@@ -10,20 +10,25 @@
 // - row_topk(x, k) -> (values, indices): torch.topk(x, k, dim=1) of fp32 x [r, n] (rows of
 //   contiguous values) for a small k: the same values, descending, and among equal values
 //   the lower index first (NaN above everything, as torch.topk has it). One pass over each
-//   row against its current k-th value; torch's topk costs several times as much per row.
+//   row against its current k-th value; torch's topk costs several times as much per row;
+// - row_argmax(x) -> ids: torch.argmax(x, dim=1) of fp32 x [r, n] (the first index of each
+//   row's maximum, of its first NaN where it holds one), from the block maxima of one read.
+//   torch's argmax is not vectorized, and at a decode step its OpenMP threads, asleep since
+//   the last torch op, cost more to wake than the row takes.
 //
-// Rows are split over torch's threads.
+// Rows are split over the ops' own spinning pool (spin_pool.h), as the model's ops are.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <optional>
 #include <string_view>
 #include <tuple>
+#include <vector>
 
 #include "cpu_kernels.h"
 #include "sampler_kernels.h"
+#include "spin_pool.h"
 
 namespace skiff_cpu {
 
@@ -61,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor> logit_stats(const at::Tensor& x,
   at::Tensor block_max = at::empty({rows, blocks}, x.options());
   at::Tensor lse = at::empty({rows, 1}, x.options());
   const auto& row = skiff_cpu::sampler_kernels().logit_row;
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+  skiff_cpu::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       row(x.data_ptr<float>() + r * x.stride(0),
           has_banned ? banned->data_ptr<bool>() + r * vocab : nullptr,
@@ -99,7 +104,7 @@ std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& x, int64_t k) {
   at::Tensor values = at::empty({rows, k}, x.options());
   at::Tensor indices = at::empty({rows, k}, x.options().dtype(at::kLong));
   if (k == 0) return {values, indices};
-  at::parallel_for(0, rows, kTopkRowsPerTask, [&](int64_t begin, int64_t end) {
+  skiff_cpu::parallel_for(0, rows, kTopkRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       row_topk_of(x.data_ptr<float>() + r * x.stride(0), n, k, values.data_ptr<float>() + r * k,
                   indices.data_ptr<int64_t>() + r * k);
@@ -107,14 +112,33 @@ std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& x, int64_t k) {
   return {values, indices};
 }
 
+at::Tensor row_argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.size(1) > 0 && (x.stride(1) == 1 || x.size(1) == 1),
+              "row_argmax: x must be fp32 CPU [r, n > 0] with contiguous rows");
+  TORCH_CHECK(*skiff_cpu::isa() != '\0', "row_argmax: the CPU has neither AVX2 nor AVX-512");
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  at::Tensor ids = at::empty({rows}, x.options().dtype(at::kLong));
+  const auto& argmax = skiff_cpu::sampler_kernels().argmax_row;
+  skiff_cpu::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> block_max(vocab / skiff_cpu::kLogitBlock);
+    for (int64_t r = begin; r < end; ++r)
+      ids.data_ptr<int64_t>()[r] = argmax(x.data_ptr<float>() + r * x.stride(0), vocab,
+                                          block_max.data());
+  });
+  return ids;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(skiff_cpu, m) {
   m.def("logit_stats(Tensor x, Tensor? banned, Tensor(a!)? out) -> (Tensor, Tensor)");
   m.def("row_topk(Tensor x, int k) -> (Tensor, Tensor)");
+  m.def("row_argmax(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(skiff_cpu, CPU, m) {
   m.impl("logit_stats", &logit_stats);
   m.impl("row_topk", &row_topk);
+  m.impl("row_argmax", &row_argmax);
 }

@@ -197,15 +197,20 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             return ModelRunnerOutput(step_id=plan.step_id)
         inputs = self._prepare_inputs(plan)
+        sampling_rows = inputs.rows[inputs.sampling]
+        # On the CPU the forward streams every weight through the caches, evicting the host's
+        # own state: the sampling metadata is built before it, while that state is warm
+        # (~4x cheaper at a single-stream step). On CUDA it is built while the forward runs.
+        meta = None if self.device.type == "cuda" else self._sampling_metadata(sampling_rows)
         self.timer.mark("prepare")
         self.num_tokens_computed += len(inputs.positions)
         hidden = self._forward(inputs)  # [num_tokens, hidden_size]
-        sampling_rows = inputs.rows[inputs.sampling]
-        grammar = self._grammar_mask(sampling_rows)  # on CUDA: while the forward runs
+        if meta is None:
+            meta = self._sampling_metadata(sampling_rows)
         prompt_logprobs = self._prompt_logprobs(plan, inputs, hidden)  # extra logits rows
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
         self.timer.mark("forward")
-        result = self.sampler(logits, self._sampling_metadata(sampling_rows, grammar))
+        result = self.sampler(logits, meta)
         self.timer.mark("sample")
         output = self._write_back(plan.step_id, inputs, sampling_rows, result)
         output.prompt_logprobs = prompt_logprobs
@@ -345,13 +350,16 @@ class ModelRunner:
         bitmask = self.grammar_bitmask.fill(matchers)
         return GrammarMask(torch.from_numpy(sel).to(self.device), bitmask)
 
-    def _sampling_metadata(
-        self, rows: np.ndarray, grammar: GrammarMask | None = None
-    ) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """The sampling metadata of the sampled `rows`, their grammar masks included."""
         mc = self.model_config
-        eos = mc.eos_token_ids
         return build_sampling_metadata(
-            self.batch, rows, mc.vocab_size, eos, self.device, grammar=grammar
+            self.batch,
+            rows,
+            mc.vocab_size,
+            mc.eos_token_ids,
+            self.device,
+            grammar=self._grammar_mask(rows),
         )
 
     def _write_back(

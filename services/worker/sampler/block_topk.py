@@ -6,7 +6,8 @@ vectorized, `topk` and `argmax` are not), then work on k * 64 candidates, copied
 block. Values are exactly torch.topk's; among tied values the ids may differ (torch.topk does
 not promise which tied id it returns either). `argmax` returns the first maximal index, as
 torch.argmax does. Where the sampler's C++ ops run, the small top-k selections take
-`skiff_cpu::row_topk` (`row_topk`), several times faster than torch.topk on short rows.
+`skiff_cpu::row_topk` (`row_topk`), several times faster than torch.topk on short rows, and
+argmax takes `skiff_cpu::row_argmax`.
 """
 
 from __future__ import annotations
@@ -119,8 +120,12 @@ def _gather_blocks(
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x: [r, vocab] -> [r] int64, the first index of each row's maximum."""
+    """x: [r, vocab] -> [r] int64, the first index of each row's maximum (of its first NaN);
+    where the C++ ops run, `skiff_cpu::row_argmax`."""
     vocab = x.shape[1]
+    if fused(x) and vocab:
+        ids: torch.Tensor = torch.ops.skiff_cpu.row_argmax(x)
+        return ids
     if x.is_cuda or vocab < 4 * _BLOCK:
         return x.argmax(dim=1)
     full = vocab - vocab % _BLOCK

@@ -1,9 +1,9 @@
 """The sampler's C++ ops (kernels/csrc/sampler_ops.cpp) against torch: `logit_stats`, with each
 instruction set this CPU has: block maxima and the whitelist-masked copy exactly, the
 logsumexp as close to float64 as torch's own; `row_topk`: torch.topk's values, ties in index
-order. Then the sampler with the ops against the sampler on torch's path: the same tokens,
-logprob ids and ranks, logprobs within LOGPROB_TOL (the two logsumexps may round apart by an
-ulp or two)."""
+order; `row_argmax`: torch.argmax's ids. Then the sampler with the ops against the sampler
+on torch's path: the same tokens, logprob ids and ranks, logprobs within LOGPROB_TOL (the two
+logsumexps may round apart by an ulp or two)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from bench.sampler_bench import params_for
 from kernels import cpu_ops
 from services.worker.sampler import Sampler, SamplerOutput
 from services.worker.sampler import sampler as sampler_module
-from services.worker.sampler.block_topk import block_maxima, row_topk
+from services.worker.sampler.block_topk import argmax, block_maxima, row_topk
 from services.worker.sampler.logit_stats import fused, logit_stats
 from services.worker.sampler.logprobs import top_logprobs
 from shared.sampling_params import LOGPROBS_MODES, SamplingParams
@@ -125,7 +125,24 @@ def test_refuses_what_it_does_not_cover(isa):
         logit_stats(x, None, torch.empty(4, 99))
     with pytest.raises(RuntimeError, match="k must be"):
         row_topk(x, 101)
+    with pytest.raises(RuntimeError, match="row_argmax: x must be fp32"):
+        torch.ops.skiff_cpu.row_argmax(x.double())
     assert not fused(x.double()) and not fused(x.t())
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_row_argmax_is_torchs(isa, vocab, strided):
+    """The first index of each row's maximum, as torch.argmax: ties (the first wins), +-inf,
+    all -inf, NaN (the first NaN wins), a maximum in the tail past the last whole block."""
+    x = edge_rows(vocab, strided)
+    x[11, -1] = x[11].max() + 1  # the maximum in the last value (the tail, if any)
+    nan = x.clone()
+    nan[0, vocab // 3] = float("nan")
+    nan[3, ::5] = float("nan")
+    for logits in (x, nan):
+        assert fused(logits)
+        assert torch.equal(argmax(logits), logits.argmax(dim=1))
 
 
 @pytest.mark.parametrize("n", [1, 2, 17, 768, 1088, 4163])
