@@ -82,8 +82,8 @@ class RunnerConfig:
     )
     cpu_weights: str = setting(
         "fp32",
-        "CPU projection weights: fp32 (exact), bf16, int8 or q8_0 (int8 activations too; "
-        "faster, outputs can differ)",
+        "CPU projection weights: fp32 (exact), bf16, int8 or q8_0 (int8 activations too, "
+        "a bf16 LM head; faster, outputs can differ)",
     )
     # LoRA adapters (docs/lora.md); the defaults are vLLM's
     enable_lora: bool = setting(False, "serve requests with LoRA adapters (PEFT checkpoints)")

@@ -9,7 +9,11 @@ agreement for speed, because a CPU decode step is bound by reading the weights.
 - `q8_0`: the same weights, and the activations quantized too, as llama.cpp's Q8_0 x Q8_0
   dot product does (W8A8): each row of x to int8 per group of 32 (scale max |x| / 127), int32
   dot products per group (VNNI `vpdpbusd`, or AVX2), summed in fp32 times both scales. A
-  token's bits still do not depend on its batch (x is quantized per row).
+  token's bits still do not depend on its batch (x is quantized per row). The LM head alone
+  is stored bf16 (fp32 x), as llama.cpp's k-quant presets keep their output matrix at a
+  higher precision: it is the matrix greedy choices are most sensitive to. On SmolLM2-135M
+  that raises greedy agreement with fp32 from 44% / 47% to 55% / 50% (workload / chat) for
+  ~9% of the decode speed (docs/benchmarks.md, bench/precision.py).
 
 Every projection and the LM head are converted (a tied LM head gets its own copy, the
 embedding lookup stays fp32); norms, activations and the KV cache stay fp32. The C++ ops
@@ -54,7 +58,7 @@ def convert_weights(model: DecoderForCausalLM, weight_format: str) -> None:
         if not isinstance(module, nn.Linear):
             continue
         weight = module.weight.detach()
-        if weight_format == "bf16":
+        if weight_format == "bf16" or (weight_format == "q8_0" and module is model.lm_head):
             module.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
         else:
             q, scale = quantize_int8(weight)

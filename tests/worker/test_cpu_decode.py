@@ -67,13 +67,16 @@ def test_lower_precision_weights_decode_like_the_eager_model(tiny_models, arch, 
         model_dir=str(tiny_models[arch]), num_blocks=64, max_model_len=256, cpu_weights=cpu_weights
     )
     runner = ModelRunner(config)
+    model = runner.model
     want = torch.bfloat16 if cpu_weights == "bf16" else torch.int8
-    assert runner.model.lm_head is not None and runner.model.lm_head.weight.dtype == want
-    assert runner.model.layers[0].mlp.down_proj.weight.dtype == want
-    assert runner.model.embed_tokens.weight.dtype == torch.float32  # lookups stay fp32
-    if cpu_weights == "q8_0":  # every projection in Q8_0 panels [P, in / 4, 16, 4]
-        linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    head = torch.int8 if cpu_weights == "int8" else torch.bfloat16  # q8_0: a bf16 LM head
+    assert model.lm_head is not None and model.lm_head.weight.dtype == head
+    assert model.layers[0].mlp.down_proj.weight.dtype == want
+    assert model.embed_tokens.weight.dtype == torch.float32  # lookups stay fp32
+    if cpu_weights == "q8_0":  # every decoder projection in Q8_0 panels [P, in / 4, 16, 4]
+        linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
         assert all(m.weight_panels.dim() == 4 for m in linears)
+        assert getattr(model.lm_head, "weight_scale", None) is None
     for seq_lens in ([1], [100, 5, 16, 17]):
         check_step(runner, seq_lens, exact=cpu_weights == "q8_0")
 
