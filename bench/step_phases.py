@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.cpu_step import greedy  # noqa: E402
 from bench.roofline import cpu_line  # noqa: E402
+from bench.workload import token_prompts  # noqa: E402
 from services.offline import LLM  # noqa: E402
 from services.worker.step_timer import PHASES  # noqa: E402
 from shared.wire import BatchPlan, ModelRunnerOutput  # noqa: E402
@@ -67,7 +68,7 @@ def main() -> None:
     print(cpu_line())
     llm = LLM(max_num_seqs=32, cpu_weights=args.cpu_weights, enable_prefix_caching=False)
     steps = recorded_steps(llm)
-    prompt = [(7 * j) % 30000 + 100 for j in range(args.prompt_tokens)]
+    prompt = token_prompts(llm.tokenizer, [args.prompt_tokens], seed=3)[0]  # as tg_prompt
     for _ in range(args.rounds):
         steps.clear()
         llm.generate([prompt], greedy(args.tokens))
