@@ -145,6 +145,13 @@ def test_row_argmax_is_torchs(isa, vocab, strided):
         assert torch.equal(argmax(logits), logits.argmax(dim=1))
 
 
+def test_row_argmax_at_the_biggest_batch_is_torchs(isa):
+    """257 rows of the model's vocabulary (past a batch of 256, split over the pool's threads),
+    many with ties: torch.argmax's ids."""
+    x = (torch.randn(257, 49152, generator=torch.Generator().manual_seed(257)) * 2).round()
+    assert torch.equal(argmax(x), x.argmax(dim=1))
+
+
 @pytest.mark.parametrize("n", [1, 2, 17, 768, 1088, 4163])
 def test_row_topk_is_a_stable_descending_sort_cut_at_k(n):
     """torch.topk's values; ids as a stable descending sort has them (ties by index, NaN
