@@ -79,9 +79,11 @@ def test_lower_precision_weights_decode_like_the_eager_model(tiny_models, arch, 
         linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
         assert all(m.weight_panels.dim() == 4 for m in linears)
         assert getattr(model.lm_head, "weight_scale", None) is None
-    if cpu_weights == "bf16_dot":  # every projection and the head in pair panels [P, in / 2, 16, 2]
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if cpu_weights == "bf16_dot":  # every decoder projection in pair panels [P, in / 2, 16, 2]
+        linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
         assert all(m.weight_panels.shape[2:] == (16, 2) for m in linears)
+        head_panels = getattr(model.lm_head, "weight_panels", None)  # fp32 x: bf16's kernels
+        assert head_panels is None or head_panels.dim() == 3
     for seq_lens in ([1], [100, 5, 16, 17]):
         check_step(runner, seq_lens, exact=cpu_weights in ("q8_0", "bf16_dot"))
 
