@@ -79,7 +79,7 @@ void round_bf16(const float* x, uint16_t* xb, int64_t n) {
 // Chunks of panels that stay in L2; in each, all rows in tiles of kBf16Rows (then the rest).
 void linear_bf16_panels(const uint16_t* xb, const uint16_t* packed, float* y, int64_t M,
                         int64_t K, int64_t N, int64_t p_begin, int64_t p_end) {
-  const DenormalsFlushed flushed;
+  [[maybe_unused]] const DenormalsFlushed flushed;  // MXCSR as vdpbf16ps has it, until return
   const int64_t panel_bytes = K * kPanel * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t chunk = std::max<int64_t>(4, kBf16ChunkBytes / panel_bytes);
   for (int64_t p0 = p_begin; p0 < p_end; p0 += chunk) {
