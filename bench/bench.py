@@ -18,10 +18,11 @@ cpu-latency.png (the served path's TTFT and inter-token latency CDFs). The long-
 (bench/long_prompts.py, --no-long-prompts skips it) measures prefill at 512, 2k and 8k prompt
 tokens in process and served, against llama.cpp's `llama-bench -p` and `llama-server`, and the
 ITL of running streams while an 8k prompt is admitted. With llama.cpp, the precision section
-(bench/precision.py) puts skiff's fp32 / bf16 / int8 / q8_0 weights against llama.cpp's F32 /
-BF16 / Q8_0 GGUFs (decode speed, greedy agreement with each engine's fp32) and writes
-cpu-precision.md beside the JSON. The last lines are `prefill ratio vs llama.cpp at 2k: X.XX`
-and `prefill ratio vs llama.cpp at 8k: X.XX` (skiff's in-process prefill tokens/s /
+(bench/precision.py) puts skiff's fp32 / bf16 / bf16_dot / int8 / q8_0 weights against
+llama.cpp's F32 / BF16 / Q8_0 GGUFs (decode speed, greedy agreement with each engine's
+fp32) and writes cpu-precision.md beside the JSON. The last lines are `prefill ratio vs
+llama.cpp at 2k: X.XX` and `prefill ratio vs llama.cpp at 8k: X.XX` (skiff's in-process
+prefill tokens/s /
 llama-bench's), `throughput ratio vs llama.cpp: X.XX` (skiff served / llama-server at its best
 slot count), `single-stream ratio vs llama.cpp: X.XX` (skiff's decode steps of one request,
 prefill excluded as llama-bench's tg64 excludes it / llama-bench tg64; the two take turns three

@@ -4,8 +4,9 @@ prompts.
 - `torch`: torch's own ops (the C++ ops off, `gemv_layout` weights, eager decode): the worker
   before its C++ ops;
 - `fp32`: the default, the C++ ops (kernels/csrc) with fp32 weights: exact;
-- `bf16`, `int8`, `q8_0`: the same with `--cpu-weights bf16` / `int8` / `q8_0`
-  (services/worker/weight_format.py; q8_0 quantizes the activations too).
+- `bf16`, `bf16_dot`, `int8`, `q8_0`: the same with `--cpu-weights bf16` / `bf16_dot` /
+  `int8` / `q8_0` (services/worker/weight_format.py; bf16_dot rounds the activations to bf16
+  too, q8_0 quantizes them).
 
     python bench/cpu_step.py [--requests 32] [--single-tokens 64] [--repeats 3] [--no-served]
 
@@ -40,7 +41,7 @@ from services.offline import LLM, SamplingParams  # noqa: E402
 from services.worker.loader import gemv_layout  # noqa: E402
 from services.worker.weight_format import unpack_weights  # noqa: E402
 
-ENGINES = ("torch", "fp32", "bf16", "int8", "q8_0")
+ENGINES = ("torch", "fp32", "bf16", "bf16_dot", "int8", "q8_0")
 
 
 def greedy(n: int, ignore_eos: bool = True) -> SamplingParams:

@@ -2,9 +2,12 @@
 (`linear_packed`), the row kernel (`linear`) and torch's `F.linear` (on the fp32 weight the
 stored one stands for), x [M, K] @ w [N, K]^T with w stored as fp32, bf16 or int8; median (or
 least) of repeats. `--weights q8_0` times the Q8_0 x Q8_0 kernel (x quantized too, int8 dot
-products: `cpu_ops.int8_dot_isa`) against int8 panels and rows (fp32 x) and fp32 panels.
+products: `cpu_ops.int8_dot_isa`) against int8 panels and rows (fp32 x) and fp32 panels;
+`--weights bf16_dot` the bf16 x bf16 kernel (x rounded to bf16: `cpu_ops.bf16_dot_isa`)
+against bf16 panels and rows (fp32 x) and fp32 panels.
 `python -m bench.linear_bench [--threads 2] [--repeats 21] [--stat median|min]
-[--weights fp32|bf16|int8|q8_0] [--isa avx512|avx2]` (default: the widest this CPU has)."""
+[--weights fp32|bf16|int8|q8_0|bf16_dot] [--isa avx512|avx2]` (default: the widest this CPU
+has)."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--stat", choices=("median", "min"), default="median")
-    parser.add_argument("--weights", choices=(*DTYPES, "q8_0"), default="fp32")
+    parser.add_argument("--weights", choices=(*DTYPES, "q8_0", "bf16_dot"), default="fp32")
     parser.add_argument("--isa", choices=cpu_ops.ISAS, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -41,8 +44,8 @@ def main() -> None:
     print(f"{args.weights} weights")
     stat = median if args.stat == "median" else min
     print(f"{args.stat} µs per call of {args.repeats}\n")
-    if args.weights == "q8_0":
-        q8_table(args.repeats, stat)
+    if args.weights in ("q8_0", "bf16_dot"):
+        rounded_x_table(args.weights, args.repeats, stat)
         return
     print("| N x K | M | panels | rows | F.linear | rows / panels | F.linear / panels |")
     print("|---|---|---|---|---|---|---|")
@@ -63,26 +66,28 @@ def main() -> None:
             )  # fmt: skip
 
 
-def q8_table(repeats: int, stat: Callable[[list[float]], float]) -> None:
-    """Q8_0 panels vs int8 panels and rows (the same stored weights, fp32 x) and fp32 panels."""
-    print(f"int8 dot products: {cpu_ops.int8_dot_isa()}\n")
-    print("| N x K | M | q8_0 | int8 panels | int8 rows | fp32 panels | fp32 / q8_0 |", end="")
-    print(" int8 / q8_0 |")
+def rounded_x_table(weights: str, repeats: int, stat: Callable[[list[float]], float]) -> None:
+    """Q8_0 (bf16_dot) panels vs int8 (bf16) panels and rows, the same stored weights with fp32
+    x, and fp32 panels."""
+    fp32_x = "int8" if weights == "q8_0" else "bf16"
+    isa = cpu_ops.int8_dot_isa() if weights == "q8_0" else cpu_ops.bf16_dot_isa()
+    print(f"{fp32_x} dot products: {isa}\n")
+    print(f"| N x K | M | {weights} | {fp32_x} panels | {fp32_x} rows | fp32 panels |", end="")
+    print(f" fp32 / {weights} | {fp32_x} / {weights} |")
     print("|---|---|---|---|---|---|---|---|")
     packed_linear = torch.ops.skiff_cpu.linear_packed
     for n, k in SHAPES:
-        stored, scale = cpu_ops.random_weight(n, k, torch.int8)
-        assert scale is not None
-        q8, panels, panel_scale = (
-            cpu_ops.pack_q8_panels(stored), cpu_ops.pack_panels(stored), cpu_ops.pack_panels(scale)
-        )  # fmt: skip
+        stored, scale = cpu_ops.random_weight(n, k, DTYPES[fp32_x])
+        panel_scale = None if scale is None else cpu_ops.pack_panels(scale)
+        pack = cpu_ops.pack_q8_panels if weights == "q8_0" else cpu_ops.pack_bf16_panels
+        rounded, panels = pack(stored), cpu_ops.pack_panels(stored)
         fp32 = cpu_ops.pack_panels(torch.randn(n, k))
         for m in ROWS:
             x = torch.randn(m, k)
             cells = [
                 stat(cpu_ops.times_us(f, repeats))
                 for f in (
-                    partial(packed_linear, x, q8, n, None, panel_scale),
+                    partial(packed_linear, x, rounded, n, None, panel_scale),
                     partial(packed_linear, x, panels, n, None, panel_scale),
                     partial(torch.ops.skiff_cpu.linear, x, stored, None, scale),
                     partial(packed_linear, x, fp32, n),

@@ -3,7 +3,8 @@ same prompts.
 
     python -m bench.precision [--requests 32] [--rounds 3] [--llama-cpp-threads 2]
 
-- skiff: `fp32`, `bf16`, `int8`, `q8_0` (`--cpu-weights`, bench/cpu_step.py's engines);
+- skiff: `fp32`, `bf16`, `bf16_dot`, `int8`, `q8_0` (`--cpu-weights`, bench/cpu_step.py's
+  engines): `bf16_dot` and `q8_0` round the activations as llama.cpp's BF16 and Q8_0 do;
 - llama.cpp: F32, BF16 (only where the CPU has avx512_bf16) and Q8_0 GGUFs of the same model,
   written by its own `convert_hf_to_gguf.py` (cached beside the F32 one, bench/llamacpp.py).
 
@@ -13,8 +14,9 @@ prompt; llama.cpp: `llama-bench` tg64, the best of the thread counts), the engin
 drifts); greedy agreement with the same engine's fp32 on cpu_step's two prompt sets
 (`prompt_sets`, counted by `agreement`), llama.cpp's through `llama-server` `/completion` (one
 slot, one request at a time); and llama.cpp F32's agreement with skiff fp32, a sanity line.
-Prints the table and the ratio lines, the last `int8 speed vs llama.cpp Q8_0: X.XX (...)` and
-the agreements next to Q8_0's, and writes bench/results/cpu-precision.md. `make bench` runs it
+Prints the table and the ratio lines, `bf16 speed vs llama.cpp BF16: X.XX (...)` and
+`int8 speed vs llama.cpp Q8_0: X.XX (...)` with the agreements next to BF16's and Q8_0's, and
+writes bench/results/cpu-precision.md. `make bench` runs it
 too (bench/bench.py; `--no-llama-cpp` skips it) and keeps its numbers in its JSON.
 """
 
@@ -47,7 +49,7 @@ from bench.cpu_step import (  # noqa: E402
 )
 from bench.workload import QUESTIONS  # noqa: E402
 
-SKIFF_FORMATS = ("fp32", "bf16", "int8", "q8_0")
+SKIFF_FORMATS = ("fp32", "bf16", "bf16_dot", "int8", "q8_0")
 GGUF_TYPES = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0"}  # llama.cpp's name: --outtype
 MARKDOWN = ROOT / "bench" / "results" / "cpu-precision.md"
 LOG_DIR = Path("/tmp/skiff-bench")
@@ -105,27 +107,35 @@ class Precision:
         return [f"llama.cpp F32 against skiff fp32: {cross}", *left_out]
 
     def ratio_lines(self) -> list[str]:
-        """Each skiff format's decode speed over its llama.cpp peer's, then the int8 line
-        (skiff q8_0, the W8A8 peer of Q8_0, with int8's ratio in brackets) and the int8
-        formats' agreement next to Q8_0's on each prompt set."""
+        """fp32's decode speed over llama.cpp F32's, then the bf16 lines (unless BF16 was
+        left out) and the int8 lines: see `peer_lines`."""
         lines = []
-        for fmt, gguf in (("fp32", "F32"), ("bf16", "BF16")):
-            ours, theirs = self.row("skiff", fmt), self.row("llama.cpp", gguf)
-            if ours and theirs:
-                lines.append(f"{fmt} speed vs llama.cpp {gguf}: {ours.tok_s / theirs.tok_s:.2f}")
-        q8, int8 = self.row("skiff", "q8_0"), self.row("skiff", "int8")
-        peer = self.row("llama.cpp", "Q8_0")
-        if not (q8 and int8 and peer):
-            return [*lines, "int8 speed vs llama.cpp Q8_0 is missing"]
-        lines.append(
-            f"int8 speed vs llama.cpp Q8_0: {q8.tok_s / peer.tok_s:.2f} (skiff q8_0 "
-            f"{q8.tok_s:.1f} / {peer.tok_s:.1f} tok/s; skiff int8 {int8.tok_s / peer.tok_s:.2f})"
-        )
+        ours, theirs = self.row("skiff", "fp32"), self.row("llama.cpp", "F32")
+        if ours and theirs:
+            lines.append(f"fp32 speed vs llama.cpp F32: {ours.tok_s / theirs.tok_s:.2f}")
+        if "BF16" not in self.missing:
+            lines += self.peer_lines("bf16", "bf16_dot", "bf16", "BF16")
+        return lines + self.peer_lines("int8", "q8_0", "int8", "Q8_0")
+
+    def peer_lines(self, name: str, rounded: str, fp32_x: str, gguf: str) -> list[str]:
+        """The speed line of skiff `rounded` (activations rounded like llama.cpp's `gguf`:
+        its peer) over `gguf`'s, with `fp32_x`'s ratio (the same weights, fp32 activations)
+        in brackets, and both formats' agreement next to `gguf`'s on each prompt set."""
+        ours, other, peer = (
+            self.row("skiff", rounded), self.row("skiff", fp32_x), self.row("llama.cpp", gguf)
+        )  # fmt: skip
+        if not (ours and other and peer):
+            return [f"{name} speed vs llama.cpp {gguf} is missing"]
+        lines = [
+            f"{name} speed vs llama.cpp {gguf}: {ours.tok_s / peer.tok_s:.2f} (skiff {rounded} "
+            f"{ours.tok_s:.1f} / {peer.tok_s:.1f} tok/s; skiff {fp32_x} "
+            f"{other.tok_s / peer.tok_s:.2f})"
+        ]
         for s in self.cross:
             lines.append(
-                f"int8 greedy agreement with fp32 vs llama.cpp Q8_0, {s}: skiff q8_0 "
-                f"{percent(q8.agreement[s])}, skiff int8 {percent(int8.agreement[s])}, "
-                f"llama.cpp Q8_0 {percent(peer.agreement[s])}"
+                f"{name} greedy agreement with fp32 vs llama.cpp {gguf}, {s}: skiff {rounded} "
+                f"{percent(ours.agreement[s])}, skiff {fp32_x} {percent(other.agreement[s])}, "
+                f"llama.cpp {gguf} {percent(peer.agreement[s])}"
             )
         return lines
 

@@ -86,16 +86,22 @@ def results_path(cpu: dict[str, object], suffix: str) -> Path:
     return Path(__file__).resolve().parent / "results" / f"cpu-{family_slug(cpu)}{suffix}"
 
 
-def cpu_line(
-    cpu: dict[str, object] | None = None, isas: tuple[str | None, str | None] | None = None
-) -> str:
+Isas = tuple[str | None, str | None, str | None]  # kernels, int8 dot, bf16 dot
+
+
+def cpu_line(cpu: dict[str, object] | None = None, isas: Isas | None = None) -> str:
     """One line naming the CPU, the extensions of EXTENSIONS it has and the ISA of skiff's C++
-    kernels (`cpu_ops.isa()`, `cpu_ops.int8_dot_isa()`; `kernel_isas()` where not given)."""
+    kernels (`cpu_ops.isa()`, `int8_dot_isa()`, `bf16_dot_isa()`; `kernel_isas()` where not
+    given)."""
     cpu = cpu_summary() if cpu is None else cpu
-    isa, int8_isa = kernel_isas() if isas is None else isas
+    isa, int8_isa, bf16_isa = kernel_isas() if isas is None else isas
     numbers = f"family {cpu.get('family')} model {cpu.get('model_number')}"
     has = " ".join(ext for ext in EXTENSIONS if cpu.get(ext)) or "none of " + ", ".join(EXTENSIONS)
-    kernels = f"skiff kernels {isa}, int8 dot {int8_isa}" if isa else "skiff C++ kernels off"
+    kernels = (
+        f"skiff kernels {isa}, int8 dot {int8_isa}, bf16 dot {bf16_isa}"
+        if isa
+        else "skiff C++ kernels off"
+    )
     return (
         f"cpu: {cpu.get('model')} ({cpu.get('vendor') or 'vendor unknown'}, {numbers}; "
         f"family {family_slug(cpu)}), extensions: {has}; {kernels}"
@@ -120,12 +126,15 @@ def gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / t / 1e9
 
 
-def kernel_isas() -> tuple[str | None, str | None]:
-    """The instruction sets skiff's C++ CPU ops run with here: `cpu_ops.isa()` and the Q8_0
-    dot's `cpu_ops.int8_dot_isa()` ((None, None): the ops do not run here)."""
+def kernel_isas() -> Isas:
+    """The instruction sets skiff's C++ CPU ops run with here: `cpu_ops.isa()`, the Q8_0
+    dot's `cpu_ops.int8_dot_isa()` and the bf16 dot's `cpu_ops.bf16_dot_isa()` (all None: the
+    ops do not run here)."""
     from kernels import cpu_ops
 
-    return (cpu_ops.isa(), cpu_ops.int8_dot_isa()) if cpu_ops.load() else (None, None)
+    if not cpu_ops.load():
+        return None, None, None
+    return cpu_ops.isa(), cpu_ops.int8_dot_isa(), cpu_ops.bf16_dot_isa()
 
 
 def cpu_linear_gflops(tokens: int = 256, n: int = 1024, repeats: int = 5) -> float | None:
@@ -157,12 +166,13 @@ def copy_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
 def measure() -> dict[str, object]:
     """Everything above, plus the 1-minute load average (others' work on a shared machine)."""
     cpu = cpu_summary()
-    isa, int8_isa = kernel_isas()
+    isa, int8_isa, bf16_isa = kernel_isas()
     return {
         "cpu": cpu,
         "family_slug": family_slug(cpu),
         "kernels_isa": isa,
         "int8_dot_isa": int8_isa,
+        "bf16_dot_isa": bf16_isa,
         "load_average_1m": os.getloadavg()[0],
         "torch_threads": torch.get_num_threads(),
         "fp32_gemm_gflops": gemm_gflops(),

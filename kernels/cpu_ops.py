@@ -7,7 +7,9 @@
   panels (`pack_panels`), a register-tiled kernel that also runs prefill chunks near the CPU's
   FMA peak; `linear_choice` says for each weight shape which of the two runs it. Int8 weights
   packed by `pack_q8_panels` run Q8_0 x Q8_0 instead (x quantized per row and group of 32,
-  int8 dot products with VNNI or AVX2, `int8_dot_isa`);
+  int8 dot products with VNNI or AVX2, `int8_dot_isa`), bf16 weights packed by
+  `pack_bf16_panels` bf16 x bf16 (x rounded to bf16, pairs of products summed in fp32 with
+  AVX512-BF16 or widened, `bf16_dot_isa`);
 - `decode_layer(...)`: a whole decoder layer of a decode-only step in one call
   (`services/worker/cpu_decode.py`);
 - `paged_attention(...)`: a step's tokens against the paged cache
@@ -92,6 +94,19 @@ def int8_dot_isa() -> str:
     return str(torch.ops.skiff_cpu.int8_dot_isa())
 
 
+def bf16_dot_isa() -> str:
+    """The instructions of the bf16 x bf16 kernel: "avx512_bf16" (vdpbf16ps) where `isa()` is
+    avx512 and the CPU has AVX512-BF16, else `isa()` (pairs widened to fp32, two fma each),
+    unless `use_bf16_dot_isa` picked another; the same bits."""
+    return str(torch.ops.skiff_cpu.bf16_dot_isa())
+
+
+def use_bf16_dot_isa(name: str) -> bool:
+    """Run the bf16 x bf16 kernel with `name` ("avx512_bf16", "avx512", "avx2") while `isa()`
+    allows it; False, and nothing changes, where this CPU lacks it."""
+    return bool(torch.ops.skiff_cpu.use_bf16_dot_isa(name))
+
+
 def use_isa(name: str) -> bool:
     """Run the loaded ops with the kernels of `name` from now on (tests and benchmarks try each
     one); False, and nothing changes, where this CPU lacks it."""
@@ -158,6 +173,23 @@ def pack_q8_panels(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError("Q8_0 panels need int8 weights in [-127, 127]")
     panels = pack_panels(weight)  # [P, K, 16]
     return panels.view(panels.shape[0], k // Q8_QUAD, Q8_QUAD, PANEL).transpose(2, 3).contiguous()
+
+
+BF16_PAIR = 2  # consecutive k of a lane in one bf16 dot product: kBf16Pair
+
+
+def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 weight [N, K] (K even) -> pair panels [ceil(N / 16), K / 2, 16, 2] for
+    `linear_packed`'s bf16 x bf16 kernel: panel p, pair j, lane c holds w[16 p + c, 2 j : 2 j +
+    2] (zero past N); weights below fp32's normal range become zero (sign kept), as
+    AVX512-BF16 reads them."""
+    k = weight.shape[1]
+    if weight.dtype != torch.bfloat16 or k % BF16_PAIR:
+        raise ValueError(f"bf16 pair panels need bf16 weights with an even K: {weight.dtype}, {k}")
+    flushed = weight * (weight.abs() >= torch.finfo(torch.float32).tiny)  # [N, K]
+    panels = pack_panels(flushed)  # [P, K, 16]
+    p = panels.shape[0]
+    return panels.view(p, k // BF16_PAIR, BF16_PAIR, PANEL).transpose(2, 3).contiguous()
 
 
 def unpack_panels(packed: torch.Tensor, out_features: int) -> torch.Tensor:

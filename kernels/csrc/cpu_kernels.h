@@ -1,7 +1,8 @@
 // Raw-pointer fp32 kernels of the CPU worker, called by the ops in cpu_ops.cpp through
 // `kernels()`: one body (kernel_bodies.h) built once per instruction set, AVX-512F
 // (avx512_kernels.cpp) and AVX2 with FMA (avx2_kernels.cpp), picked for this CPU at run time;
-// the Q8_0 x Q8_0 kernel (q8_bodies.h) for AVX2 and for AVX512-VNNI (vnni_kernels.cpp).
+// the Q8_0 x Q8_0 kernel (q8_bodies.h) for AVX2 and for AVX512-VNNI (vnni_kernels.cpp); the
+// bf16 x bf16 kernel (bf16_bodies.h) for AVX2, AVX-512F and AVX512-BF16 (bf16_kernels.cpp).
 #pragma once
 
 #include <cstdint>
@@ -62,6 +63,30 @@ struct Q8Kernels {
   LinearQ8Panels linear_panels;
 };
 
+// bf16 x bf16 (W16A16, like llama.cpp's BF16 dot product): y[m, n] for m < M and panels
+// [p_begin, p_end) from bf16 weights packed in pairs, [ceil(N / kPanel), K / 2, kPanel, 2]
+// (panel p, pair j, lane c: w[p kPanel + c, 2 j] and w[p kPanel + c, 2 j + 1]; zero past N;
+// none below fp32's normal range), and x rounded to bf16 by the same table's round (xb [M, K]).
+// Each output is one fp32 chain over the pairs in order, as AVX512-BF16's vdpbf16ps computes
+// it: acc = x[2 j + 1] w[2 j + 1] + acc, then acc = x[2 j] w[2 j] + acc (each product exact
+// in fp32, each sum rounded to nearest even, a sum below fp32's normal range flushed to zero),
+// from 0. Its bits do not depend on M, the row's place, the tile or the instruction set.
+// K % 2 == 0.
+using LinearBf16Panels = void (*)(const uint16_t* xb, const uint16_t* packed, float* y,
+                                  int64_t M, int64_t K, int64_t N, int64_t p_begin,
+                                  int64_t p_end);
+constexpr int64_t kBf16Pair = 2;  // consecutive k of a lane in one bf16 dot product
+
+// x [n] -> xb [n] in bf16: rounded to nearest even; values below fp32's normal range to zero
+// (sign kept), NaN to a quiet NaN; as vcvtneps2bf16, in integer operations (the same bits in
+// every instruction set).
+using RoundBf16 = void (*)(const float* x, uint16_t* xb, int64_t n);
+
+struct Bf16Kernels {
+  RoundBf16 round;
+  LinearBf16Panels linear_panels;
+};
+
 // out = rms_norm(x) * weight over `dim` floats (variance in fp32, like the model).
 using RmsNormRow = void (*)(const float* x, const float* weight, float* out, int64_t dim,
                             float eps);
@@ -118,13 +143,18 @@ struct KernelTable {
 
 namespace avx512 {
 extern const KernelTable kernel_table;
+extern const Bf16Kernels bf16_kernels;  // pairs widened to fp32, two fma
 }
 namespace avx2 {
 extern const KernelTable kernel_table;
 extern const Q8Kernels q8_kernels;  // vpmaddubsw + vpmaddwd
+extern const Bf16Kernels bf16_kernels;  // pairs widened to fp32, two fma
 }
 namespace avx512_vnni {
 extern const Q8Kernels q8_kernels;  // vpdpbusd
+}
+namespace avx512_bf16 {
+extern const Bf16Kernels bf16_kernels;  // vdpbf16ps
 }
 
 // The instruction set the kernels use: "avx512" or "avx2", the widest this CPU has unless
@@ -144,5 +174,15 @@ const char* int8_dot_isa();
 
 // The Q8_0 x Q8_0 kernels of `int8_dot_isa()`.
 const Q8Kernels& q8_kernels();
+
+// The bf16 dot products of the bf16 x bf16 kernel: "avx512_bf16" (vdpbf16ps) where isa() is
+// "avx512" and the CPU has AVX512-BF16 and AVX512-BW, else isa() itself (pairs widened to
+// fp32); "" with neither. `use_bf16_dot_isa` picks a narrower one that isa() allows (tests and
+// benchmarks run each). All compute the same bits.
+const char* bf16_dot_isa();
+bool use_bf16_dot_isa(const char* name);
+
+// The bf16 x bf16 kernels of `bf16_dot_isa()`.
+const Bf16Kernels& bf16_kernels();
 
 }  // namespace skiff_cpu

@@ -9,7 +9,9 @@
 //   panels takes each weight once per tile and no horizontal sums, which makes prefill
 //   chunks (M = 8..512) run near the FMA peak. Int8 panels packed for 4-byte dot products
 //   ([ceil(N / 16), K / 4, 16, 4], pack_q8_panels) run Q8_0 x Q8_0 instead: x quantized to
-//   int8 per row and group of 32, int32 dot products (VNNI or AVX2), fp32 group sums. Either
+//   int8 per row and group of 32, int32 dot products (VNNI or AVX2), fp32 group sums; bf16
+//   panels packed in pairs ([ceil(N / 16), K / 2, 16, 2], pack_bf16_panels) run bf16 x bf16:
+//   x rounded to bf16, pairs of products summed into fp32 (AVX512-BF16, or widened). Each
 //   kernel computes each
 //   output with one fixed order of its sum over k for every M, every place of the row in the
 //   batch and every tile, so a token's bits do not depend on its batch; a weight runs one
@@ -69,20 +71,35 @@ struct Weight {
   const float* scale;  // int8 only
   bool panels;         // packed in panels (pack_panels in kernels/cpu_ops.py)
   bool q8;             // int8 panels for Q8_0 x Q8_0 (pack_q8_panels): x is quantized too
+  bool bf16_pairs;     // bf16 panels for bf16 x bf16 (pack_bf16_panels): x is rounded too
 };
 
-// K of a weight: [N, K], panels [P, K, kPanel], or Q8_0 panels [P, K / kQ8Quad, kPanel, kQ8Quad].
+// K of a weight: [N, K], panels [P, K, kPanel], Q8_0 panels [P, K / kQ8Quad, kPanel, kQ8Quad]
+// or bf16 pair panels [P, K / kBf16Pair, kPanel, kBf16Pair].
 int64_t in_features(const at::Tensor& w) {
   return w.dim() == 4 ? w.size(1) * w.size(3) : w.size(1);
+}
+
+// bf16 pair panels [ceil(N / kPanel), K / kBf16Pair, kPanel, kBf16Pair] (no scale), or nullopt.
+std::optional<Weight> as_bf16_pairs(const at::Tensor& w, const std::optional<at::Tensor>& scale,
+                                    int64_t N) {
+  const bool ok = w.device().is_cpu() && w.is_contiguous() &&
+                  w.scalar_type() == at::kBFloat16 && w.size(0) == (N + kPanel - 1) / kPanel &&
+                  w.size(2) == kPanel && w.size(3) == skiff_cpu::kBf16Pair &&
+                  !(scale.has_value() && scale->defined());
+  if (!ok) return std::nullopt;
+  return Weight{w.data_ptr(), WeightFormat::kBFloat16, nullptr, true, false, true};
 }
 
 // `w` for N outputs as the kernels read it: row-major [N, K] (`linear_rows`, K % 16 == 0) or
 // panels [ceil(N / kPanel), K, kPanel] (`linear_panels`), fp32, bf16, or int8 with its group
 // scales ([N, K / kInt8Group], panels: [ceil(N / kPanel), K / kInt8Group, kPanel]), or
 // Q8_0 panels [ceil(N / kPanel), K / kQ8Quad, kPanel, kQ8Quad] with the panels' scales
-// (`linear_q8_panels`, K % kInt8Group == 0); nullopt where they cannot.
+// (`linear_q8_panels`, K % kInt8Group == 0), or bf16 pair panels (`linear_bf16_panels`);
+// nullopt where they cannot.
 std::optional<Weight> as_weight(const at::Tensor& w, const std::optional<at::Tensor>& scale,
                                 int64_t N) {
+  if (w.dim() == 4 && w.scalar_type() == at::kBFloat16) return as_bf16_pairs(w, scale, N);
   if (w.dim() == 4) {  // Q8_0 panels + scales [P, K / kInt8Group, kPanel]
     const int64_t P = (N + kPanel - 1) / kPanel, K = in_features(w);
     const bool ok = w.device().is_cpu() && w.is_contiguous() && w.scalar_type() == at::kChar &&
@@ -91,7 +108,7 @@ std::optional<Weight> as_weight(const at::Tensor& w, const std::optional<at::Ten
                     is_fp32_cpu(*scale) && scale->is_contiguous() &&
                     scale->sizes().equals({P, K / kInt8Group, kPanel});
     if (!ok) return std::nullopt;
-    return Weight{w.data_ptr(), WeightFormat::kInt8, scale->data_ptr<float>(), true, true};
+    return Weight{w.data_ptr(), WeightFormat::kInt8, scale->data_ptr<float>(), true, true, false};
   }
   const bool panels = w.dim() == 3;
   if (!w.device().is_cpu() || !w.is_contiguous() ||
@@ -102,10 +119,10 @@ std::optional<Weight> as_weight(const at::Tensor& w, const std::optional<at::Ten
   const bool has_scale = scale.has_value() && scale->defined();
   switch (w.scalar_type()) {
     case at::kFloat:
-      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kFloat32, nullptr, panels, false};
+      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kFloat32, nullptr, panels, false, false};
       break;
     case at::kBFloat16:
-      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kBFloat16, nullptr, panels, false};
+      if (!has_scale) return Weight{w.data_ptr(), WeightFormat::kBFloat16, nullptr, panels, false, false};
       break;
     case at::kChar: {
       if (!has_scale || !is_fp32_cpu(*scale) || !scale->is_contiguous() ||
@@ -115,7 +132,8 @@ std::optional<Weight> as_weight(const at::Tensor& w, const std::optional<at::Ten
       const auto want = panels ? std::vector<int64_t>{w.size(0), groups, kPanel}
                                : std::vector<int64_t>{N, groups};
       if (scale->sizes().equals(want))
-        return Weight{w.data_ptr(), WeightFormat::kInt8, scale->data_ptr<float>(), panels, false};
+        return Weight{w.data_ptr(), WeightFormat::kInt8, scale->data_ptr<float>(), panels, false,
+                      false};
       break;
     }
     default:
@@ -132,10 +150,28 @@ at::Tensor dequantized(const at::Tensor& w, const std::optional<at::Tensor>& sca
   return (groups * scale->unsqueeze(2)).view_as(w);
 }
 
+// y [M, N] = x [M, K] @ w [N, K]^T with x rounded to bf16 first (w: bf16 pair panels).
+void linear_bf16_into(const float* x, const Weight& w, float* y, int64_t M, int64_t K,
+                      int64_t N) {
+  const skiff_cpu::Bf16Kernels& bf16 = skiff_cpu::bf16_kernels();
+  std::vector<uint16_t> xb(M * K);
+  skiff_cpu::parallel_for(0, M * K, 8192, [&](int64_t begin, int64_t end) {
+    bf16.round(x + begin, xb.data() + begin, end - begin);
+  });
+  const auto* packed = static_cast<const uint16_t*>(w.data);
+  skiff_cpu::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
+    bf16.linear_panels(xb.data(), packed, y, M, K, N, begin, end);
+  });
+}
+
 // y [M, N] = x [M, K] @ w [N, K]^T; x and y contiguous fp32. Panels: the threads split
-// the panels, each runs all M rows (Q8_0: x quantized first); rows: chunks of M, the threads
-// split the weight rows.
+// the panels, each runs all M rows (Q8_0: x quantized first; bf16 pairs: x rounded first);
+// rows: chunks of M, the threads split the weight rows.
 void linear_into(const float* x, const Weight& w, float* y, int64_t M, int64_t K, int64_t N) {
+  if (w.bf16_pairs) {
+    linear_bf16_into(x, w, y, M, K, N);
+    return;
+  }
   if (w.q8) {
     const skiff_cpu::Q8Kernels& q8 = skiff_cpu::q8_kernels();
     const int64_t groups = M * K / kInt8Group;
@@ -202,7 +238,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
               "linear_packed: fp32 x [..., K] and panels [ceil(N / 16), K, 16] (fp32, bf16, "
               "or int8 + scales [ceil(N / 16), K / 32, 16]), or Q8_0 panels "
               "[ceil(N / 16), K / 4, 16, 4] int8 + scales [ceil(N / 16), K / 32, 16] with "
-              "K % 32 == 0");
+              "K % 32 == 0, or bf16 pair panels [ceil(N / 16), K / 2, 16, 2]");
   const int64_t K = in_features(packed), N = out_features;
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();  // [M, K]
   at::Tensor y = at::empty({x2.size(0), N}, x.options());  // [M, N]
@@ -616,6 +652,9 @@ TORCH_LIBRARY(skiff_cpu, m) {
   m.def("use_isa(str name) -> bool",
         [](const std::string& name) { return skiff_cpu::use_isa(name.c_str()); });
   m.def("int8_dot_isa() -> str", [] { return std::string(skiff_cpu::int8_dot_isa()); });
+  m.def("bf16_dot_isa() -> str", [] { return std::string(skiff_cpu::bf16_dot_isa()); });
+  m.def("use_bf16_dot_isa(str name) -> bool",
+        [](const std::string& name) { return skiff_cpu::use_bf16_dot_isa(name.c_str()); });
   m.def(
       "linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? weight_scale=None) -> "
       "Tensor");

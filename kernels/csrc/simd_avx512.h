@@ -37,6 +37,16 @@ inline Vec vload_int8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
 }
 
+// A vector of W bf16 pairs (2 W values, lane i: values 2 i and 2 i + 1) as the fp32 of the
+// even and of the odd values: a shift, a mask.
+inline Vec vbf16_even(Vec pairs) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(pairs), 16));
+}
+inline Vec vbf16_odd(Vec pairs) {
+  const auto high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(pairs), high));
+}
+
 // Weights k..k+W-1 of a row as fp32 (`scale`: the row's int8 group scales).
 inline Vec vload_weights(const float* row, int64_t k, const float*) { return vload(row + k); }
 inline Vec vload_weights(const uint16_t* row, int64_t k, const float*) { return vload_bf16(row + k); }

@@ -20,7 +20,7 @@ from shared.wire import ROLE_MIXED, WORKER_ROLES
 
 DTYPES = ("float32", "float16", "bfloat16")
 # the CPU worker's projection weights (services/worker/weight_format.py); fp32 is exact
-CPU_WEIGHT_FORMATS = ("fp32", "bf16", "int8", "q8_0")
+CPU_WEIGHT_FORMATS = ("fp32", "bf16", "bf16_dot", "int8", "q8_0")
 SIM_DEVICE = "sim"  # RunnerConfig.device of a simulated worker (services/worker/sim_runner.py)
 
 
@@ -82,8 +82,8 @@ class RunnerConfig:
     )
     cpu_weights: str = setting(
         "fp32",
-        "CPU projection weights: fp32 (exact), bf16, int8 or q8_0 (int8 activations too, "
-        "a bf16 LM head; faster, outputs can differ)",
+        "CPU projection weights: fp32 (exact), bf16, bf16_dot (bf16 activations too), int8 "
+        "or q8_0 (int8 activations too, a bf16 LM head; faster, outputs can differ)",
     )
     # LoRA adapters (docs/lora.md); the defaults are vLLM's
     enable_lora: bool = setting(False, "serve requests with LoRA adapters (PEFT checkpoints)")

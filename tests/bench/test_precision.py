@@ -102,6 +102,21 @@ def test_ratio_lines_pair_each_format_with_its_llama_cpp_peer():
     no_q8 = result()
     no_q8.rows = [r for r in no_q8.rows if r.precision != "Q8_0"]
     assert no_q8.ratio_lines()[-1] == "int8 speed vs llama.cpp Q8_0 is missing"
+    with_bf16 = result()
+    with_bf16.missing = {}
+    missing_bf16 = "bf16 speed vs llama.cpp BF16 is missing"
+    assert with_bf16.ratio_lines()[1:4] == [missing_bf16, *result().ratio_lines()[1:3]]
+    with_bf16.rows += [
+        precision.Row("skiff", "bf16_dot", 160.0, {"workload": (90, 100), "chat": (35, 50)}),
+        precision.Row("llama.cpp", "BF16", 150.0, {"workload": (85, 100), "chat": (30, 50)}),
+    ]
+    assert with_bf16.ratio_lines()[1:4] == [
+        "bf16 speed vs llama.cpp BF16: 1.07 (skiff bf16_dot 160.0 / 150.0 tok/s; skiff bf16 0.87)",
+        "bf16 greedy agreement with fp32 vs llama.cpp BF16, workload: skiff bf16_dot 90.0%, "
+        "skiff bf16 95.0%, llama.cpp BF16 85.0%",
+        "bf16 greedy agreement with fp32 vs llama.cpp BF16, chat: skiff bf16_dot 70.0%, "
+        "skiff bf16 80.0%, llama.cpp BF16 60.0%",
+    ]
 
 
 def test_report_and_markdown_carry_every_row_the_sanity_line_and_the_command():

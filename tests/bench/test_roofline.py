@@ -78,13 +78,14 @@ def test_cpu_summary_reads_the_first_processor() -> None:
 
 
 def test_cpu_line_names_the_cpu_extensions_and_kernel_isas() -> None:
-    line = roofline.cpu_line(roofline.cpu_summary(SAPPHIRE_RAPIDS), ("avx512", "avx512_vnni"))
+    isas = ("avx512", "avx512_vnni", "avx512_bf16")
+    line = roofline.cpu_line(roofline.cpu_summary(SAPPHIRE_RAPIDS), isas)
     assert line == (
         "cpu: Intel(R) Xeon(R) Platinum 8481C (GenuineIntel, family 6 model 143; family "
         "intel-xeon-amx), extensions: avx2 fma avx512f avx512_vnni avx512_bf16 amx_bf16 "
-        "amx_int8; skiff kernels avx512, int8 dot avx512_vnni"
+        "amx_int8; skiff kernels avx512, int8 dot avx512_vnni, bf16 dot avx512_bf16"
     )
-    line = roofline.cpu_line(roofline.cpu_summary(MILAN), (None, None))
+    line = roofline.cpu_line(roofline.cpu_summary(MILAN), (None, None, None))
     assert line.endswith("extensions: avx2 fma; skiff C++ kernels off")
     assert "family amd-epyc-zen3-avx2" in line
 
@@ -94,7 +95,8 @@ def test_cpu_line_here_names_the_isa_the_loaded_ops_picked() -> None:
 
     line = roofline.cpu_line()
     if cpu_ops.load():
-        assert f"skiff kernels {cpu_ops.isa()}, int8 dot {cpu_ops.int8_dot_isa()}" in line
+        want = f"skiff kernels {cpu_ops.isa()}, int8 dot {cpu_ops.int8_dot_isa()}, bf16 dot "
+        assert f"{want}{cpu_ops.bf16_dot_isa()}" in line
     else:
         assert line.endswith("skiff C++ kernels off")
 

@@ -210,7 +210,7 @@ WORKER_NOT_IN_CHART = {
     "SKIFF_BLOCK_SIZE": "the services' default (16 tokens), as the gateways hash prompts",
     "SKIFF_CUDA_GRAPHS": "always on in a deployment (extraEnv turns them off to debug)",
     "SKIFF_FUSED_CPU_DECODE": "the CPU worker's default (extraEnv turns it off)",
-    "SKIFF_CPU_WEIGHTS": "exact fp32 by default; bf16, int8 or q8_0 change outputs (extraEnv)",
+    "SKIFF_CPU_WEIGHTS": "exact fp32 by default; the other formats change outputs (extraEnv)",
     "SKIFF_HEARTBEAT_INTERVAL": "a protocol timing, kept at the services' default",
     "SKIFF_NATS_TLS_CERT": "the chart's NATS TLS verifies the server; clients use passwords",
     "SKIFF_NATS_TLS_KEY": "the chart's NATS TLS verifies the server; clients use passwords",

@@ -56,19 +56,21 @@ def test_fused_cpu_decode_matches_eager(tiny_models, arch):
         ("llama3-scaled", "int8"),
         ("qwen2", "q8_0"),
         ("llama3-scaled", "q8_0"),
+        ("qwen2", "bf16_dot"),
+        ("qwen3", "bf16_dot"),
     ],
 )
 @torch.inference_mode()
 def test_lower_precision_weights_decode_like_the_eager_model(tiny_models, arch, cpu_weights):
-    """bf16 / int8 / q8_0 weights (services/worker/weight_format.py): the fused path computes
-    what the eager model computes with the same stored weights (q8_0: the same kernel on the
-    same Q8_0 panels in both, so the same bits)."""
+    """bf16 / int8 / q8_0 / bf16_dot weights (services/worker/weight_format.py): the fused
+    path computes what the eager model computes with the same stored weights (q8_0, bf16_dot:
+    the same kernel on the same panels in both, so the same bits)."""
     config = RunnerConfig(
         model_dir=str(tiny_models[arch]), num_blocks=64, max_model_len=256, cpu_weights=cpu_weights
     )
     runner = ModelRunner(config)
     model = runner.model
-    want = torch.bfloat16 if cpu_weights == "bf16" else torch.int8
+    want = torch.bfloat16 if cpu_weights in ("bf16", "bf16_dot") else torch.int8
     head = torch.int8 if cpu_weights == "int8" else torch.bfloat16  # q8_0: a bf16 LM head
     assert model.lm_head is not None and model.lm_head.weight.dtype == head
     assert model.layers[0].mlp.down_proj.weight.dtype == want
@@ -77,15 +79,24 @@ def test_lower_precision_weights_decode_like_the_eager_model(tiny_models, arch, 
         linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
         assert all(m.weight_panels.dim() == 4 for m in linears)
         assert getattr(model.lm_head, "weight_scale", None) is None
+    if cpu_weights == "bf16_dot":  # every decoder projection in pair panels [P, in / 2, 16, 2]
+        linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+        assert all(m.weight_panels.shape[2:] == (16, 2) for m in linears)
+        head_panels = getattr(model.lm_head, "weight_panels", None)  # fp32 x: bf16's kernels
+        assert head_panels is None or head_panels.dim() == 3
     for seq_lens in ([1], [100, 5, 16, 17]):
-        check_step(runner, seq_lens, exact=cpu_weights == "q8_0")
+        check_step(runner, seq_lens, exact=cpu_weights in ("q8_0", "bf16_dot"))
 
 
+@pytest.mark.parametrize(("fp32_x", "rounded_x"), [("int8", "q8_0"), ("bf16", "bf16_dot")])
 @torch.inference_mode()
-def test_q8_0_worker_quantizes_activations_close_to_int8(tiny_models):
-    """q8_0 runs the model with x quantized too: not int8's (W8A32) hidden states, but close."""
+def test_activation_rounding_workers_stay_close_to_their_fp32_activation_peer(
+    tiny_models, fp32_x, rounded_x
+):
+    """q8_0 runs the model with x quantized too, bf16_dot with x rounded to bf16: not the
+    hidden states of the same weights with fp32 x (int8, bf16), but close to them."""
     out = {}
-    for cpu_weights in ("int8", "q8_0"):
+    for cpu_weights in (fp32_x, rounded_x):
         config = RunnerConfig(
             model_dir=str(tiny_models["qwen2"]), num_blocks=64, max_model_len=256,
             cpu_weights=cpu_weights,
@@ -98,9 +109,9 @@ def test_q8_0_worker_quantizes_activations_close_to_int8(tiny_models):
         out[cpu_weights] = runner.fused_cpu_decode.forward(
             torch.tensor([5, 9]), meta.seq_lens.long() - 1, meta
         )
-    assert not torch.equal(out["q8_0"], out["int8"])
-    scale = out["int8"].abs().max().item()
-    torch.testing.assert_close(out["q8_0"], out["int8"], rtol=0.05, atol=0.05 * scale)
+    assert not torch.equal(out[rounded_x], out[fp32_x])
+    scale = out[fp32_x].abs().max().item()
+    torch.testing.assert_close(out[rounded_x], out[fp32_x], rtol=0.05, atol=0.05 * scale)
 
 
 @pytest.mark.parametrize("kernel", ["panels", "rows"])

@@ -26,7 +26,7 @@ def nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-@pytest.mark.parametrize("cpu_weights", ["fp32", "int8", "q8_0"])
+@pytest.mark.parametrize("cpu_weights", ["fp32", "int8", "q8_0", "bf16_dot"])
 def test_packed_projections_take_their_bytes_once(tiny_models, cpu_weights, monkeypatch):
     monkeypatch.setattr(cpu_ops, "linear_choice", lambda n, k, dtype: "panels")
     model = runner(tiny_models, "qwen2", cpu_weights).model  # qwen2: biases too
