@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import cpu_ops, ops
-from tests.cpu_isa import running_isa
+from tests.cpu_isa import running_bf16_dot_isa
 
 pytestmark = pytest.mark.unit
 
@@ -22,17 +22,9 @@ TINY = torch.finfo(torch.float32).tiny  # fp32's smallest normal value
 
 @pytest.fixture(params=BF16_DOT_ISAS)
 def dot_isa(request) -> Iterator[str]:
-    """A test runs with each bf16 dot-product instruction set this CPU has (the kernels of
-    its widest instruction set, avx2 under AVX2's)."""
-    assert cpu_ops.load(), "the C++ CPU ops must build and run on x86-64 with g++"
-    name, before = request.param, cpu_ops.bf16_dot_isa()
-    with running_isa("avx2" if name == "avx2" else "avx512"):
-        if not cpu_ops.use_bf16_dot_isa(name):
-            pytest.skip(f"this CPU has no {name}")
-        try:
-            yield name
-        finally:
-            cpu_ops.use_bf16_dot_isa(before)
+    """A test runs with each bf16 dot-product instruction set this CPU has."""
+    with running_bf16_dot_isa(request.param) as name:
+        yield name
 
 
 def default_dot_isa() -> str:
