@@ -13,7 +13,7 @@ import torch
 from bench.long_prompts import corpus
 from services.offline import LLM, GenerationOutput, SamplingParams
 from shared.tokenizer import Tokenizer
-from shared.wire import BatchPlan, ModelRunnerOutput
+from tests.offline.step_sizes import record_step_sizes
 
 LONG = 8000
 NEW_TOKENS = 8
@@ -53,14 +53,7 @@ def test_a_request_in_a_step_of_256_generates_what_it_does_alone(smollm2_dir: Pa
                       generator=g).tolist()
         for _ in range(BATCH)
     ]  # fmt: skip
-    step_sizes: list[int] = []
-    execute = llm._execute
-
-    def counted(plan: BatchPlan) -> ModelRunnerOutput:
-        step_sizes.append(len(plan.num_scheduled_tokens))
-        return execute(plan)
-
-    llm._execute = counted  # type: ignore[method-assign]
+    step_sizes = record_step_sizes(llm)
     together = llm.generate(prompts, greedy(4))
     assert max(step_sizes) == BATCH
     for i in (0, 77, 255):

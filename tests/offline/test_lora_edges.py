@@ -18,8 +18,8 @@ from bench.long_prompts import corpus
 from bench.lora import write_adapter
 from services.offline import LLM, SamplingParams
 from shared.tokenizer import Tokenizer
-from shared.wire import BatchPlan, ModelRunnerOutput
 from tests.lora_adapters import ALL_PROJECTIONS, base_model, make_adapters
+from tests.offline.step_sizes import record_step_sizes
 
 LONG = 8000
 NEW_TOKENS = 8
@@ -83,14 +83,7 @@ def test_256_requests_over_16_adapters_share_one_step(smollm2_dir, tmp_path):
         for _ in range(BATCH)
     ]  # fmt: skip
     loras = [adapters[i % NUM_ADAPTERS] for i in range(BATCH)]
-    step_sizes: list[int] = []
-    execute = llm._execute
-
-    def counted(plan: BatchPlan) -> ModelRunnerOutput:
-        step_sizes.append(len(plan.num_scheduled_tokens))
-        return execute(plan)
-
-    llm._execute = counted  # type: ignore[method-assign]
+    step_sizes = record_step_sizes(llm)
     together = llm.generate(prompts, greedy(4), lora_request=loras)
     assert max(step_sizes) == BATCH
     for a, adapter in enumerate(adapters):
