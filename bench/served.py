@@ -162,10 +162,12 @@ def run_served(
     outputs: list[int],
     concurrencies: list[int] | None = None,
     nats_tls: bool = True,
+    rounds: int = 1,
 ) -> tuple[dict[str, Any], Samples]:
     """The summary (the largest concurrency's at the top level, every one's under
     `by_concurrency`) and the latency samples of each concurrency; `nats_tls` as the stack's
-    (on by default, as `skiff serve` runs)."""
+    (on by default, as `skiff serve` runs). The largest concurrency runs `rounds` times and
+    keeps its fastest run (as a peer measured best of `rounds` is compared with)."""
     concurrencies = sorted(concurrencies or [len(prompts)])
     stack = served_stack(model_dir, nats_tls)
     stack.start()
@@ -179,6 +181,9 @@ def run_served(
                 await stream_completion(client, stack.url, prompts[0], 4)  # warm-up
                 for limit in concurrencies:
                     runs[limit] = await run_at(client, stack.url, prompts, outputs, limit)
+                for _ in range(rounds - 1):
+                    again = await run_at(client, stack.url, prompts, outputs, limit)
+                    runs[limit] = min(runs[limit], again, key=lambda run: run[0])
 
         asyncio.run(run())
         steps = histogram_means(stack)
