@@ -157,7 +157,7 @@ class Precision:
             "",
             f"Command: `{command}` ({time.strftime('%Y-%m-%d')}); skiff with "
             f"{self.skiff_threads} threads, llama.cpp `-t {threads}`; load average "
-            f"{os.getloadavg()[0]:.1f} at the end (others' work on a shared machine).",
+            f"{os.getloadavg()[0]:.1f} at the end (the engines' own threads count in it).",
             f"`{cpu_line}`",
             "",
             "Decode: single stream, tg64 (skiff: its decode steps after a 16-token prompt; "
