@@ -181,9 +181,10 @@ def run_served(
                 await stream_completion(client, stack.url, prompts[0], 4)  # warm-up
                 for limit in concurrencies:
                     runs[limit] = await run_at(client, stack.url, prompts, outputs, limit)
+                largest = concurrencies[-1]
                 for _ in range(rounds - 1):
-                    again = await run_at(client, stack.url, prompts, outputs, limit)
-                    runs[limit] = min(runs[limit], again, key=lambda run: run[0])
+                    again = await run_at(client, stack.url, prompts, outputs, largest)
+                    runs[largest] = min(runs[largest], again, key=lambda run: run[0])
 
         asyncio.run(run())
         steps = histogram_means(stack)
