@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 import nkeys
+import uvloop
 from kubernetes.aio.client import ApiClient
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -129,6 +130,6 @@ def main(argv: list[str] | None = None) -> None:
     config: AuthCalloutConfig = configs[AuthCalloutConfig]
     setup_logging(config.log_level, "auth-callout", configs[TelemetryConfig].log_format)
     try:
-        asyncio.run(serve(config))
+        uvloop.run(serve(config))
     except (StartupError, ValueError) as exc:
         raise SystemExit(f"skiff auth-callout: {exc}") from None

@@ -1,4 +1,4 @@
-"""uvicorn's h11 protocol with a deadline on request headers.
+"""uvicorn's httptools protocol (llhttp, in C) with a deadline on request headers.
 
 uvicorn times out idle keep-alive connections but not a client that connects and sends nothing,
 or sends its headers a byte at a time (slowloris): each such connection would be held forever.
@@ -10,14 +10,12 @@ closed. (The body has its own deadline, `BodyLimitMiddleware`'s.)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
-class HeaderDeadlineProtocol(H11Protocol):
+class HeaderDeadlineProtocol(HttpToolsProtocol):
     header_timeout = 10.0  # seconds; `with_header_timeout` makes a class with another value
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -55,8 +53,6 @@ class HeaderDeadlineProtocol(H11Protocol):
             return  # a request is being served
         if not self.transport.is_closing():
             self.logger.debug("closing a connection that sent no complete headers in time")
-            with contextlib.suppress(h11.LocalProtocolError):
-                self.conn.send(h11.ConnectionClosed())
             self.transport.close()
 
 

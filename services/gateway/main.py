@@ -24,6 +24,7 @@ from pathlib import Path
 from types import FrameType
 
 import uvicorn
+import uvloop
 from prometheus_client import disable_created_metrics
 
 from services.gateway.app import create_app
@@ -177,7 +178,7 @@ def run_gateway(config: GatewayConfig, telemetry: TelemetryConfig | None = None)
     setup_logging(config.log_level, "gateway", telemetry.log_format)
     tracing.setup_tracing(telemetry.otlp_traces_endpoint, "gateway")
     disable_created_metrics()  # type: ignore[no-untyped-call]
-    asyncio.run(serve(config))
+    uvloop.run(serve(config))
 
 
 def main(argv: list[str] | None = None) -> None:

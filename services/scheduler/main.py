@@ -8,6 +8,8 @@ import gc
 import logging
 import os
 
+import uvloop
+
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.http_endpoint import HttpEndpoint
 from services.scheduler.service import SchedulerService
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     tracing.setup_tracing(telemetry.otlp_traces_endpoint, "scheduler")
     scheduler_config = configs[SchedulerConfig]
     tune_gc()
-    asyncio.run(serve(config, scheduler_config))
+    uvloop.run(serve(config, scheduler_config))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import dataclasses
 import logging
 import time
 
+import uvloop
+
 from services.worker.config import (
     SIM_DEVICE,
     RunnerConfig,
@@ -163,7 +165,7 @@ def start_http(
 
 
 def main(argv: list[str] | None = None) -> None:
-    asyncio.run(serve(argv))
+    uvloop.run(serve(argv))
 
 
 if __name__ == "__main__":

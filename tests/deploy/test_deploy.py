@@ -244,6 +244,8 @@ PROVIDES = {
     "tokenizers": {"tokenizers"},
     "jinja2": {"jinja2", "markupsafe"},
     "uvicorn": {"uvicorn", "h11", "click"},
+    "uvloop": {"uvloop"},
+    "httptools": {"httptools"},
     "fastapi": {"fastapi", "starlette", "pydantic", "pydantic_core", "anyio", "typing_extensions"},
     "opentelemetry-sdk": {"opentelemetry"},
     "opentelemetry-exporter-otlp-proto-http": {"opentelemetry"},
