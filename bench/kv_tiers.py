@@ -55,12 +55,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.served import greedy_stream_body, sse_chunks, start_or_show_logs  # noqa: E402
+from bench.http_client import ClientSession, client_session, sse_chunks  # noqa: E402
+from bench.served import greedy_stream_body, start_or_show_logs  # noqa: E402
 from bench.workload import CORPUS, TokenEncoder  # noqa: E402
 from services.gateway.config import GatewayConfig  # noqa: E402
 from services.launcher import Stack, StackConfig, free_port  # noqa: E402
@@ -203,7 +202,7 @@ class Progress:
 
 
 async def stream_turn(
-    client: httpx.AsyncClient,
+    client: ClientSession,
     url: str,
     prompt: list[int],
     max_tokens: int,
@@ -215,7 +214,7 @@ async def stream_turn(
     first = 0.0
     tokens = 0
     parts: list[str] = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+    async with client.post(f"{url}/v1/completions", json=body) as resp:
         async for chunk in sse_chunks(resp):
             if progress is not None:
                 progress.last = time.perf_counter()
@@ -229,7 +228,7 @@ async def stream_turn(
 
 
 async def converse(
-    client: httpx.AsyncClient,
+    client: ClientSession,
     url: str,
     tokenizer: TokenEncoder,
     workload: ChatWorkload,
@@ -248,7 +247,7 @@ async def converse(
 
 
 async def run_workload(
-    client: httpx.AsyncClient,
+    client: ClientSession,
     url: str,
     tokenizer: TokenEncoder,
     workload: ChatWorkload,
@@ -377,9 +376,7 @@ def run_mode(
         try:
 
             async def run() -> tuple[float, list[Turn], dict[str, float]]:
-                async with httpx.AsyncClient(
-                    timeout=None, limits=httpx.Limits(max_connections=256)
-                ) as client:
+                async with client_session(timeout_s=None) as client:
                     await stream_turn(client, stack.url, [1, 2, 3, 4], 4)  # warm-up
                     before = scrape(metrics_url)
                     t0 = time.perf_counter()

@@ -406,8 +406,7 @@ def serve_workload(
     tokens."""
     import asyncio
 
-    import httpx
-
+    from bench.http_client import ClientError, client_session
     from bench.served import run_at, stream_completion
     from services.launcher import free_port
 
@@ -421,8 +420,7 @@ def serve_workload(
             with LlamaServer(cmd, port, log) as server:
 
                 async def run(url: str = server.url) -> float:
-                    limits = httpx.Limits(max_connections=256)
-                    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+                    async with client_session() as client:
                         await stream_completion(client, url, prompts[0], 4)  # warm-up
                         elapsed, _ = await run_at(client, url, prompts, outputs, len(prompts))
                     return sum(outputs) / elapsed
@@ -430,7 +428,7 @@ def serve_workload(
                 try:
                     rate = rates[slots, threads] = asyncio.run(run())
                     break
-                except (httpx.HTTPError, RuntimeError) as e:
+                except (ClientError, TimeoutError, RuntimeError) as e:
                     failure = f"llama-server -np {slots} -t {threads}: {e} (log: {log})"
                     print(f"llama.cpp attempt {attempt + 1} failed: {failure}")
         else:

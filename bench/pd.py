@@ -60,15 +60,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.http_client import ClientSession, client_session, sse_chunks  # noqa: E402
 from bench.kv_tiers import cpu_model, scrape  # noqa: E402
 from bench.long_prompts import corpus, cut_prompts, percentiles  # noqa: E402
-from bench.served import greedy_stream_body, sse_chunks, start_or_show_logs  # noqa: E402
+from bench.served import greedy_stream_body, start_or_show_logs  # noqa: E402
 from services.gateway.config import GatewayConfig  # noqa: E402
 from services.launcher import Stack, StackConfig, free_port  # noqa: E402
 from services.scheduler.config import SchedulerServiceConfig  # noqa: E402
@@ -127,12 +127,12 @@ class Stream:
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, out: Stream
+    client: ClientSession, url: str, prompt: list[int], max_tokens: int, out: Stream
 ) -> None:
     """A greedy streamed completion, recorded into `out` as its chunks arrive."""
     body = greedy_stream_body(SERVED_NAME, prompt, max_tokens)
     parts: list[str] = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+    async with client.post(f"{url}/v1/completions", json=body) as resp:
         async for chunk in sse_chunks(resp):
             for choice in chunk.get("choices") or []:
                 out.stamps.append(time.perf_counter())
@@ -143,7 +143,7 @@ async def stream_completion(
 
 
 async def steady_loop(
-    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, done: list[Stream]
+    client: ClientSession, url: str, prompt: list[int], max_tokens: int, done: list[Stream]
 ) -> None:
     """Stream `prompt` again and again until cancelled (closing a stream aborts it)."""
     while True:
@@ -205,7 +205,7 @@ class Phases:
 
 
 async def run_phases(
-    client: httpx.AsyncClient,
+    client: ClientSession,
     url: str,
     w: Workload,
     steady: list[list[int]],
@@ -374,8 +374,7 @@ def run_mode(
             return {k: v for page in pages for k, v in scrape(page).items()}
 
         async def run() -> Phases:
-            limits = httpx.Limits(max_connections=256)
-            async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+            async with client_session(timeout_s=None) as client:
                 await asyncio.gather(  # both workers, and a hand-over when disaggregated
                     *(
                         stream_completion(client, stack.url, prompt, 4, Stream(0.0))

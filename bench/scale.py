@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
@@ -29,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from bench.http_client import ClientSession, client_session, sse_chunks
 from services.gateway.config import GatewayConfig
 from services.launcher import Stack, StackConfig, free_port
 from services.scheduler.config import SchedulerServiceConfig
@@ -302,16 +301,18 @@ class HttpLoad:
         self.concurrency, self.max_tokens = concurrency, max_tokens
         self.rng = random.Random(0)
         self.tasks: list[asyncio.Task[None]] = []
-        self.client = httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=4096))
+        self.client: ClientSession | None = None
 
     async def start(self) -> None:
+        self.client = client_session(timeout_s=300, max_connections=4096)
         self.tasks = [asyncio.create_task(self._loop(i)) for i in range(self.concurrency)]
 
     async def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.client.aclose()
+        if self.client is not None:
+            await self.client.close()
 
     async def _loop(self, slot: int) -> None:
         last: dict[str, float] = {}
@@ -324,14 +325,13 @@ class HttpLoad:
                 "ignore_eos": True,
                 "stream": True,
             }
-            async with self.client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        if chunk.get("choices"):
-                            record(self.window, last, str(slot), time.perf_counter(), 1)
+            assert self.client is not None
+            async with self.client.post(f"{self.url}/v1/completions", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {await r.read()!r}")
+                async for chunk in sse_chunks(r):
+                    if chunk.get("choices"):
+                        record(self.window, last, str(slot), time.perf_counter(), 1)
             last.clear()
 
 

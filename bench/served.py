@@ -20,15 +20,13 @@ import statistics
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.http_client import ClientSession, client_session, sse_chunks  # noqa: E402
 from bench.plots import plot_latency_cdfs, plot_throughput  # noqa: E402
 from bench.workload import reference_workload  # noqa: E402
 from services.gateway.config import GatewayConfig  # noqa: E402
@@ -46,14 +44,6 @@ def start_or_show_logs(stack: Stack, log_dir: Path, timeout_s: float = 300.0) ->
         for log in sorted(log_dir.glob("*.log")):
             print(f"--- {log}\n{log.read_text()[-3000:]}", file=sys.stderr)
         raise
-
-
-async def sse_chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """The JSON chunks of a streamed completion's server-sent events (an HTTP error raises)."""
-    resp.raise_for_status()
-    async for line in resp.aiter_lines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            yield json.loads(line[6:])
 
 
 def greedy_stream_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -84,7 +74,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
+    client: ClientSession, url: str, prompt: list[int], max_tokens: int
 ) -> tuple[float, list[float], int]:
     """One greedy streamed completion (any OpenAI-compatible server): its start, the time of
     each chunk that carries a choice, and the completion tokens the server's usage reports."""
@@ -92,7 +82,7 @@ async def stream_completion(
     start = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+    async with client.post(f"{url}/v1/completions", json=body) as resp:
         async for chunk in sse_chunks(resp):
             if chunk.get("choices"):
                 stamps.append(time.perf_counter())
@@ -136,7 +126,7 @@ def histogram_means(stack: Stack) -> dict[str, float]:
 
 
 async def run_at(
-    client: httpx.AsyncClient, url: str, prompts: list[list[int]], outputs: list[int], limit: int
+    client: ClientSession, url: str, prompts: list[list[int]], outputs: list[int], limit: int
 ) -> tuple[float, list[tuple[float, list[float], int]]]:
     """Every request, at most `limit` in flight; the wall time and each one's stream. Raises
     if a request did not get exactly the tokens it asked for (throughput compares like with
@@ -175,9 +165,7 @@ def run_served(
     try:
 
         async def run() -> None:
-            async with httpx.AsyncClient(
-                timeout=600, limits=httpx.Limits(max_connections=256)
-            ) as client:
+            async with client_session() as client:
                 await stream_completion(client, stack.url, prompts[0], 4)  # warm-up
                 for limit in concurrencies:
                     runs[limit] = await run_at(client, stack.url, prompts, outputs, limit)

@@ -28,11 +28,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.http_client import client_session  # noqa: E402
 from bench.scale import cpu_seconds  # noqa: E402
 from bench.served import (  # noqa: E402
     histogram_means,
@@ -160,7 +159,7 @@ async def run_round(
 ) -> tuple[list[TlsRun], dict[bool, dict[str, float]]]:
     """Warm each stack up (every prompt, 2 tokens each), then one round of turns; the runs and
     the CPU seconds each stack's processes used over them."""
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+    async with client_session() as client:
         for stack in stacks.values():  # the workload's prefill and batch shapes, once
             await run_at(client, stack.url, prompts, [2] * len(prompts), limit)
         before = {tls: stack_cpu_seconds(stack) for tls, stack in stacks.items()}
