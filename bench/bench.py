@@ -5,8 +5,8 @@ number: the machine is shared and noisy. Sections: the offline engine vs transfo
 batches, single-request decode speed, llama.cpp's `llama-server` on the same workload through
 the same client at each --llama-cpp-slots and its `llama-bench` single-stream decode
 (--no-llama-cpp skips it; built once, see bench/llamacpp.py), the HTTP path through a real
-stack (--no-served skips it; served and in process then each keep the best of SERVED_ROUNDS
-runs of the workload, the second in process just after the served ones), the sampler's cost
+stack (--no-served skips it; served and in process then take turns, the stack up, and each
+keeps the best of SERVED_ROUNDS runs of the workload), the sampler's cost
 per step (--no-sampler skips it), LoRA adapters (bench/lora.py, --no-lora skips it) and the
 served path with NATS TLS on against off (bench/tls.py, --no-tls skips it). The machine's
 fp32 GEMM GFLOP/s and memory bandwidth are measured in the same run.
@@ -89,7 +89,7 @@ def hf_static_batches(
 
 
 SINGLE_STREAM_ROUNDS = 3
-SERVED_ROUNDS = 2  # the workload served and in process: each keeps its best
+SERVED_ROUNDS = 3  # the workload served and in process, in turns: each keeps its best
 
 
 def single_decode(
@@ -310,14 +310,16 @@ def run(args: argparse.Namespace, out: Path) -> None:
         from bench.served import plot_served, run_served
 
         concurrencies = [int(c) for c in args.served_concurrency.split(",")]
-        served, samples = run_served(
-            model_dir, prompts, outputs, concurrencies, rounds=SERVED_ROUNDS
-        )
-        rows.append(("skiff served (HTTP -> NATS -> worker)", served["tokens_per_s"]))
-        # In process again, just after: each side keeps its best of SERVED_ROUNDS runs.
-        for _ in range(SERVED_ROUNDS - 1):
+
+        def in_process_turn() -> None:
             t, _ = engine_run(llm, prompts, outputs)
             rows[0] = (rows[0][0], max(rows[0][1], useful / t))
+
+        # Served and in process take turns; each keeps its best of SERVED_ROUNDS runs.
+        served, samples = run_served(
+            model_dir, prompts, outputs, concurrencies, True, SERVED_ROUNDS, in_process_turn
+        )
+        rows.append(("skiff served (HTTP -> NATS -> worker)", served["tokens_per_s"]))
         peers["skiff LLM.generate (all at once)"] = {len(prompts): rows[0][1]}
         served["vs_in_process"] = served["tokens_per_s"] / rows[0][1]
         plots = plot_served(samples, served, out_dir, "cpu", peers)

@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -153,11 +154,14 @@ def run_served(
     concurrencies: list[int] | None = None,
     nats_tls: bool = True,
     rounds: int = 1,
+    between: Callable[[], object] | None = None,
 ) -> tuple[dict[str, Any], Samples]:
     """The summary (the largest concurrency's at the top level, every one's under
     `by_concurrency`) and the latency samples of each concurrency; `nats_tls` as the stack's
     (on by default, as `skiff serve` runs). The largest concurrency runs `rounds` times and
-    keeps its fastest run (as a peer measured best of `rounds` is compared with)."""
+    keeps its fastest run (as a peer measured best of `rounds` is compared with); `between`
+    is called before each extra round, the stack up and idle (bench.py runs the workload in
+    process there: the two take turns, and drift of the machine reaches both)."""
     concurrencies = sorted(concurrencies or [len(prompts)])
     stack = served_stack(model_dir, nats_tls)
     stack.start()
@@ -171,6 +175,8 @@ def run_served(
                     runs[limit] = await run_at(client, stack.url, prompts, outputs, limit)
                 largest = concurrencies[-1]
                 for _ in range(rounds - 1):
+                    if between is not None:  # off the loop: it sees idle connections close
+                        await asyncio.to_thread(between)
                     again = await run_at(client, stack.url, prompts, outputs, largest)
                     runs[largest] = min(runs[largest], again, key=lambda run: run[0])
 
