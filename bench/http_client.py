@@ -19,10 +19,13 @@ ClientError = aiohttp.ClientError  # what a failed request raises, with TimeoutE
 
 
 def client_session(timeout_s: float | None = 600, max_connections: int = 256) -> ClientSession:
-    """A session of at most `max_connections` connections; a request, streamed to its end,
-    fails after `timeout_s` seconds (None: never). Open it inside a running event loop."""
+    """A session of at most `max_connections` connections, one per request: aiohttp does not
+    check a kept-alive connection before reusing it, and a request sent on one the server has
+    just closed fails ("Server disconnected": llama-server's first run after the warm-up
+    stream, the gateway's after its 5 s keep-alive). A request, streamed to its end, fails after
+    `timeout_s` seconds (None: never). Open it inside a running event loop."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=max_connections),
+        connector=aiohttp.TCPConnector(limit=max_connections, force_close=True),
         timeout=aiohttp.ClientTimeout(total=timeout_s),
         read_bufsize=1 << 20,  # an event's line may be long (logprobs, long texts)
     )

@@ -175,8 +175,8 @@ def run_served(
                     runs[limit] = await run_at(client, stack.url, prompts, outputs, limit)
                 largest = concurrencies[-1]
                 for _ in range(rounds - 1):
-                    if between is not None:  # off the loop: it sees idle connections close
-                        await asyncio.to_thread(between)
+                    if between is not None:
+                        between()
                     again = await run_at(client, stack.url, prompts, outputs, largest)
                     runs[largest] = min(runs[largest], again, key=lambda run: run[0])
 
