@@ -32,7 +32,6 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from bench.http_client import ClientSession, client_session, sse_chunks
 from services.gateway.config import GatewayConfig
 from services.launcher import Stack, StackConfig, free_port
 from services.scheduler.config import SchedulerServiceConfig
@@ -50,6 +49,11 @@ from shared.wire import (
     SubmitRequest,
     decoder,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as bench/scale.py: bench/ first would make bench.py `bench`
+
+from bench.http_client import client_session, sse_chunks  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN = 128
@@ -294,25 +298,23 @@ def record(window: Window, last: dict[str, float], req_id: str, now: float, n: i
 
 
 class HttpLoad:
-    """The same closed loop through the gateway's OpenAI API, streamed."""
+    """The same closed loop through the gateway's OpenAI API, streamed (made on the loop)."""
 
     def __init__(self, url: str, window: Window, concurrency: int, max_tokens: int) -> None:
         self.url, self.window = url, window
         self.concurrency, self.max_tokens = concurrency, max_tokens
         self.rng = random.Random(0)
         self.tasks: list[asyncio.Task[None]] = []
-        self.client: ClientSession | None = None
+        self.client = client_session(timeout_s=300, max_connections=4096)
 
     async def start(self) -> None:
-        self.client = client_session(timeout_s=300, max_connections=4096)
         self.tasks = [asyncio.create_task(self._loop(i)) for i in range(self.concurrency)]
 
     async def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        if self.client is not None:
-            await self.client.close()
+        await self.client.close()
 
     async def _loop(self, slot: int) -> None:
         last: dict[str, float] = {}
@@ -325,7 +327,6 @@ class HttpLoad:
                 "ignore_eos": True,
                 "stream": True,
             }
-            assert self.client is not None
             async with self.client.post(f"{self.url}/v1/completions", json=body) as r:
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}: {await r.read()!r}")
