@@ -139,12 +139,8 @@ class Fleet:
         self.sim: subprocess.Popen[bytes] | None = None
 
     def _config(self, **kw: Any) -> StackConfig:
-        return StackConfig(
-            RunnerConfig(model_dir=""),
-            GatewayConfig(served_model_name=DEFAULT_MODEL_NAME),
-            log_dir=str(self.log_dir),
-            **kw,
-        )
+        kw.setdefault("gateway", GatewayConfig(served_model_name=DEFAULT_MODEL_NAME))
+        return StackConfig(RunnerConfig(model_dir=""), log_dir=str(self.log_dir), **kw)
 
     def start(self, case: Case) -> None:
         scheduler = SchedulerConfig(
