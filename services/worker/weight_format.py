@@ -16,11 +16,12 @@ agreement for speed, because a CPU decode step is bound by reading the weights.
 - `q8_0`: the same weights, and the activations quantized too, as llama.cpp's Q8_0 x Q8_0
   dot product does (W8A8): each row of x to int8 per group of 32 (scale max |x| / 127), int32
   dot products per group (VNNI `vpdpbusd`, or AVX2), summed in fp32 times both scales. A
-  token's bits still do not depend on its batch (x is quantized per row). The LM head alone
-  is stored bf16 (fp32 x), as llama.cpp's k-quant presets keep their output matrix at a
-  higher precision: it is the matrix greedy choices are most sensitive to. On SmolLM2-135M
-  that raises greedy agreement with fp32 from 44% / 47% to 55% / 50% (workload / chat) for
-  ~9% of the decode speed (docs/benchmarks.md, bench/precision.py).
+  token's bits still do not depend on its batch (x is quantized per row). The LM head, the
+  matrix greedy choices are most sensitive to, keeps fp32 x (`int8`'s arithmetic, W8A32):
+  the bytes of llama.cpp's Q8_0 output matrix, without rounding the last hidden state. On
+  SmolLM2-135M greedy agreement with fp32 is 58% / 50% (workload / chat) against 44% / 47%
+  with x quantized and 55% / 50% with a bf16 head, which reads twice the bytes (its LM head
+  took a fifth of a single-stream decode step; docs/benchmarks.md, bench/precision.py).
 
 Every projection and the LM head are converted (a tied LM head gets its own copy, the
 embedding lookup stays fp32); norms, activations and the KV cache stay fp32. The C++ ops
@@ -66,9 +67,7 @@ def convert_weights(model: DecoderForCausalLM, weight_format: str) -> None:
         if not isinstance(module, nn.Linear):
             continue
         weight = module.weight.detach()
-        if weight_format in ("bf16", "bf16_dot") or (
-            weight_format == "q8_0" and module is model.lm_head
-        ):
+        if weight_format in ("bf16", "bf16_dot"):
             module.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
         else:
             q, scale = quantize_int8(weight)
@@ -81,11 +80,10 @@ def pack_panels(model: nn.Module, weight_format: str = "fp32") -> list[str]:
     panel kernel (`cpu_ops.linear_choice`) a `weight_panels` buffer [ceil(out / 16), in, 16]
     (int8: and `weight_panel_scale` [ceil(out / 16), in / 32, 16]); both the linear op and the
     fused decode then use them, so a projection computes the same bits on every path. With
-    `weight_format` q8_0, every projection gets Q8_0 panels [ceil(out / 16), in / 4, 16, 4]
-    instead, and with bf16_dot every projection but the LM head (`model.lm_head`) bf16 pair
-    panels [ceil(out / 16), in / 2, 16, 2]. Returns the names of the packed modules. A packed
-    module's row-major weight (and
-    int8 scales) become placeholders on the meta device, shape and dtype kept: each weight runs
+    `weight_format` q8_0, every projection but the LM head (`model.lm_head`, fp32 x) gets Q8_0
+    panels [ceil(out / 16), in / 4, 16, 4] instead, and with bf16_dot bf16 pair panels
+    [ceil(out / 16), in / 2, 16, 2]. Returns the names of the packed modules. A packed
+    module's row-major weight (and int8 scales) become placeholders on the meta device, shape and dtype kept: each weight runs
     one kernel for every M, so nothing reads them, and the weights take 1x their bytes, not 2x
     (torch's fallback, `cpu_ops.use(False)`, unpacks fp32 / bf16 panels: `ops.linear`)."""
     packed, head = [], getattr(model, "lm_head", None)
@@ -97,7 +95,7 @@ def pack_panels(model: nn.Module, weight_format: str = "fp32") -> list[str]:
             continue
         n, k = weight.shape
         panel_scale: torch.Tensor | None
-        if weight_format == "q8_0" and scale is not None:
+        if weight_format == "q8_0" and scale is not None and module is not head:
             panels, panel_scale = cpu_ops.pack_q8_panels(weight), cpu_ops.pack_panels(scale)
         elif weight_format == "bf16_dot" and module is not head:
             panels, panel_scale = cpu_ops.pack_bf16_panels(weight), None

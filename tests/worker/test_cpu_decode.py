@@ -71,14 +71,16 @@ def test_lower_precision_weights_decode_like_the_eager_model(tiny_models, arch, 
     runner = ModelRunner(config)
     model = runner.model
     want = torch.bfloat16 if cpu_weights in ("bf16", "bf16_dot") else torch.int8
-    head = torch.int8 if cpu_weights == "int8" else torch.bfloat16  # q8_0: a bf16 LM head
+    head = torch.int8 if cpu_weights in ("int8", "q8_0") else torch.bfloat16
     assert model.lm_head is not None and model.lm_head.weight.dtype == head
     assert model.layers[0].mlp.down_proj.weight.dtype == want
     assert model.embed_tokens.weight.dtype == torch.float32  # lookups stay fp32
     if cpu_weights == "q8_0":  # every decoder projection in Q8_0 panels [P, in / 4, 16, 4]
         linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
         assert all(m.weight_panels.dim() == 4 for m in linears)
-        assert getattr(model.lm_head, "weight_scale", None) is None
+        head_panels = getattr(model.lm_head, "weight_panels", None)  # fp32 x: int8's kernels
+        assert head_panels is None or head_panels.dim() == 3
+        assert getattr(model.lm_head, "weight_scale", None) is not None
     if cpu_weights == "bf16_dot":  # every decoder projection in pair panels [P, in / 2, 16, 2]
         linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
         assert all(m.weight_panels.shape[2:] == (16, 2) for m in linears)
