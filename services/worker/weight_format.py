@@ -83,9 +83,10 @@ def pack_panels(model: nn.Module, weight_format: str = "fp32") -> list[str]:
     `weight_format` q8_0, every projection but the LM head (`model.lm_head`, fp32 x) gets Q8_0
     panels [ceil(out / 16), in / 4, 16, 4] instead, and with bf16_dot bf16 pair panels
     [ceil(out / 16), in / 2, 16, 2]. Returns the names of the packed modules. A packed
-    module's row-major weight (and int8 scales) become placeholders on the meta device, shape and dtype kept: each weight runs
-    one kernel for every M, so nothing reads them, and the weights take 1x their bytes, not 2x
-    (torch's fallback, `cpu_ops.use(False)`, unpacks fp32 / bf16 panels: `ops.linear`)."""
+    module's row-major weight (and int8 scales) become placeholders on the meta device, shape
+    and dtype kept: each weight runs one kernel for every M, so nothing reads them, and the
+    weights take 1x their bytes, not 2x (torch's fallback, `cpu_ops.use(False)`, unpacks
+    fp32 / bf16 panels: `ops.linear`)."""
     packed, head = [], getattr(model, "lm_head", None)
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
