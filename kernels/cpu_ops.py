@@ -10,12 +10,12 @@
   int8 dot products with VNNI or AVX2, `int8_dot_isa`), bf16 weights packed by
   `pack_bf16_panels` bf16 x bf16 (x rounded to bf16, pairs of products summed in fp32 with
   AVX512-BF16 or widened, `bf16_dot_isa`);
-- `decode_layer(...)`: a whole decoder layer of a decode-only step in one call
+- `decode_layers(...)`: every decoder layer of a decode-only step in one call
   (`services/worker/cpu_decode.py`);
 - `paged_attention(...)`: a step's tokens against the paged cache
   (`services/worker/attention/cpu_backend.py`);
 - `rms_norm`, `rotary_embedding`, `silu_and_mul`: the model's elementwise ops
-  (`kernels/ops.py` dispatches CPU fp32 tensors to all but `decode_layer`);
+  (`kernels/ops.py` dispatches CPU fp32 tensors to all but `decode_layers`);
 - `logit_stats`, `row_topk` (`kernels/csrc/sampler_ops.cpp`): the sampler's passes over the
   logits, block maxima and logsumexp in one read of each row (with the whitelist-masked copy
   on the way) and small top-k selections (`services/worker/sampler/logit_stats.py`).

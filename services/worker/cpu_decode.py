@@ -1,12 +1,13 @@
-"""The CPU worker's decode path: in a decode-only step (one query token per request) each
-decoder layer is one call of the C++ op `skiff_cpu::decode_layer` (kernels/csrc/cpu_ops.cpp)
-instead of ~40 eager torch ops: residual add and RMSNorm, QKV projection (+ bias, q/k norm),
-rotary, the KV-cache write, paged attention read where the keys and values lie (through the
-block table, never gathered into a padded copy), output projection, RMSNorm, gate/up
-projection, SiLU-and-mul and down projection. Its projections stream the fp32 weights at close
-to the memory bandwidth, which is what bounds a decode step on the CPU. A step with LoRA
-adapters passes each projection's adapter slots (services/worker/lora/weights.py) and each
-token's slot: the op adds the adapters' updates after each projection (`skiff_cpu::add_lora`).
+"""The CPU worker's decode path: a decode-only step (one query token per request) runs all
+decoder layers in one call of the C++ op `skiff_cpu::decode_layers`
+(kernels/csrc/cpu_ops.cpp), each layer instead of ~40 eager torch ops: residual add and
+RMSNorm, QKV projection (+ bias, q/k norm), rotary, the KV-cache write, paged attention read
+where the keys and values lie (through the block table, never gathered into a padded copy),
+output projection, RMSNorm, gate/up projection, SiLU-and-mul and down projection. Its
+projections stream the weights at close to the memory bandwidth, which is what bounds a
+decode step on the CPU. A step with LoRA adapters passes each projection's adapter slots
+(services/worker/lora/weights.py) and each token's slot: the op adds the adapters' updates
+after each projection (`skiff_cpu::add_lora`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from services.worker.models.layers import weight_panels, weight_scale
 
 
 class FusedCpuDecode:
-    """Runs decode-only steps of `model` (fp32, on the CPU) through `skiff_cpu::decode_layer`."""
+    """Runs decode-only steps of `model` (fp32, on the CPU) through `skiff_cpu::decode_layers`."""
 
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[torch.Tensor]) -> None:
         self.model = model
@@ -34,15 +35,18 @@ class FusedCpuDecode:
         self.block_size = kv_caches[0].shape[2]
         layers = cast(list[DecoderLayer], list(model.layers))
         self.scale = layers[0].self_attn.scale
-        pairs = zip(layers, kv_caches, strict=True)
-        self.layers = [_layer_args(layer, cache) for layer, cache in pairs]
-        self.lora = [_layer_lora(layer) for layer in layers]  # per layer: [] without adapters
+        self.weights = [w for layer in layers for w in _layer_weights(layer)]
+        caches = [kv_cache.flatten(1, 2) for kv_cache in kv_caches]  # [2, slots, kv_heads, hd]
+        self.key_caches = [c[0] for c in caches]
+        self.value_caches = [c[1] for c in caches]
+        per_layer = [_layer_lora(layer) for layer in layers]  # [] without adapters
+        self.lora = [t for ts in per_layer for t in ts] if all(per_layer) else []
 
     @property
     def runs_lora(self) -> bool:
         """Steps with adapters run here too: every projection has adapter slots with panels
         (`ops.cpu_lora_panels`)."""
-        return all(self.lora) and all(b.dim() == 4 for layer in self.lora for b in layer[1::2])
+        return bool(self.lora) and all(b.dim() == 4 for b in self.lora[1::2])
 
     @staticmethod
     def supports(model: DecoderForCausalLM) -> bool:
@@ -71,36 +75,33 @@ class FusedCpuDecode:
         residual = model.embed_tokens(input_ids)  # [B, hidden]
         hidden = torch.zeros_like(residual)  # layer 0 adds it to the embedding: exact
         cos_sin = model.cos_sin_cache[positions]  # [B, rot_dim]
-        slot_mapping = meta.slot_mapping.long()
-        step = (slot_mapping, meta.block_table, meta.seq_lens)
-        attention = (self.eps, self.scale, self.num_heads, self.block_size)
-        slots = None if lora is None else lora.token_slots
-        for (pre, cache, post), adapters in zip(self.layers, self.lora, strict=True):
-            hidden, residual = torch.ops.skiff_cpu.decode_layer(
-                hidden,
-                residual,
-                *pre,
-                cos_sin,
-                *cache,
-                *step,
-                *post,
-                *attention,
-                adapters if lora is not None else [],
-                slots,
-            )
-        model.progress += len(self.layers)  # once: nn.Module's __setattr__ costs ~1 µs a call
+        hidden, residual = torch.ops.skiff_cpu.decode_layers(
+            hidden,
+            residual,
+            self.weights,
+            cos_sin,
+            self.key_caches,
+            self.value_caches,
+            meta.slot_mapping.long(),
+            meta.block_table,
+            meta.seq_lens,
+            self.eps,
+            self.scale,
+            self.num_heads,
+            self.block_size,
+            self.lora if lora is not None else [],
+            None if lora is None else lora.token_slots,
+        )
+        model.progress += len(self.key_caches)  # once: nn.Module's __setattr__ costs ~1 µs a call
         normed: torch.Tensor = model.norm(hidden, residual)[0]
         return normed
 
 
-_Args = tuple[torch.Tensor | None, ...]
-
-
-def _layer_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[_Args, _Args, _Args]:
-    """A layer's arguments of `decode_layer`, looked up once (module attribute lookups cost
-    microseconds, per layer and step): those before cos_sin, the key and value caches as
-    [num_slots, kv_heads, head_dim] views, and the weights after the step's tensors: a
-    projection's panels where it has them (the kernel, hence the bits, `ops.linear` uses)."""
+def _layer_weights(layer: DecoderLayer) -> list[torch.Tensor | None]:
+    """A layer's entries of `decode_layers`' weights, in its order (kernels/csrc/cpu_ops.cpp
+    `LayerWeight`), looked up once (module attribute lookups cost microseconds, per layer and
+    step): the norms and each projection's panels where it has them (the kernel, hence the
+    bits, `ops.linear` uses), then the int8 scales."""
     attn, mlp = layer.self_attn, layer.mlp
 
     def weight(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -110,27 +111,27 @@ def _layer_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[_Args, _Ar
             return module.weight, weight_scale(module)
         return panels, panel_scale
 
-    pre = (
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    qkv, o, gate_up, down = (weight(p) for p in projections)
+    return [
         layer.input_layernorm.weight,
-        weight(attn.qkv_proj)[0],
+        qkv[0],
         attn.qkv_proj.bias,
         attn.q_norm.weight if attn.qk_norm else None,
         attn.k_norm.weight if attn.qk_norm else None,
-    )
-    slots = kv_cache.flatten(1, 2)  # [2, num_slots, kv_heads, head_dim]
-    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    post = (
-        weight(attn.o_proj)[0],
+        o[0],
         layer.post_attention_layernorm.weight,
-        weight(mlp.gate_up_proj)[0],
-        weight(mlp.down_proj)[0],
-        *(weight(p)[1] for p in projections),
-    )
-    return pre, (slots[0], slots[1]), post
+        gate_up[0],
+        down[0],
+        qkv[1],
+        o[1],
+        gate_up[1],
+        down[1],
+    ]
 
 
 def _layer_lora(layer: DecoderLayer) -> list[torch.Tensor]:
-    """The adapter slots of a layer's projections, as `decode_layer` takes them: (lora_a,
+    """The adapter slots of a layer's projections, as `decode_layers` takes them: (lora_a,
     lora_b) of qkv, o, gate_up and down ([] when the model runs without adapters)."""
     attn, mlp = layer.self_attn, layer.mlp
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

@@ -1,4 +1,4 @@
-"""The CPU worker's fused decode path (`skiff_cpu::decode_layer`) against the eager model: same
+"""The CPU worker's fused decode path (`skiff_cpu::decode_layers`) against the eager model: same
 hidden states and the same KV-cache writes, over shuffled (non-contiguous) block tables and
 mixed context lengths."""
 
@@ -213,3 +213,25 @@ def test_weights_stay_row_major_for_the_cpu_ops_kernel(tiny_models):
             assert not module.weight.is_meta and module.weight.is_contiguous()
         else:
             assert module.weight.is_meta and panels.is_contiguous()
+
+
+@torch.inference_mode()
+def test_decode_layers_refuses_a_layer_without_its_weights(tiny_models):
+    """`decode_layers` takes 13 weights per layer, the norms and projections required: a list
+    that lacks one is a clear error, not a read of whatever memory follows."""
+    runner = ModelRunner(RunnerConfig(model_dir=str(tiny_models["llama"]), num_blocks=64))
+    fused = runner.fused_cpu_decode
+    assert fused is not None
+    meta = decode_meta(torch.arange(2, dtype=torch.int32).view(1, 2), [20])
+    input_ids, positions = torch.tensor([5]), torch.tensor([19])
+    weights = fused.weights
+    try:
+        fused.weights = weights[:-1]  # one entry short
+        with pytest.raises(RuntimeError, match="13 weights per layer"):
+            fused.forward(input_ids, positions, meta)
+        fused.weights = [None if i == 7 else w for i, w in enumerate(weights)]  # no gate_up
+        with pytest.raises(RuntimeError, match="lacks a norm or weight"):
+            fused.forward(input_ids, positions, meta)
+    finally:
+        fused.weights = weights
+    fused.forward(input_ids, positions, meta)  # the whole list runs
