@@ -27,9 +27,11 @@ sleeping threads for each cost most of a single-stream step.
 
 They are compiled on first use with the machine's C++ compiler (torch's extension builder and
 ninja) into the cache folder, keyed by the sources and the torch version, so later processes
-load them in well under a second. The kernels are built for AVX-512 and for AVX2 with FMA; the
-process uses the widest its CPU has (`isa()`). Without a compiler, or on a CPU with neither, the
-CPU path keeps torch's own ops.
+load them in well under a second. An image can carry them built (docker/worker.Dockerfile):
+where `SKIFF_PREBUILT_DIR` holds the library of the same sources and torch, it is loaded
+from there and nothing is compiled (a worker pod starts on an empty cache volume). The
+kernels are built for AVX-512 and for AVX2 with FMA; the process uses the widest its CPU has
+(`isa()`). Without a compiler, or on a CPU with neither, the CPU path keeps torch's own ops.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from shared.default_model import cache_root
 log = logging.getLogger("skiff.kernels.cpu_ops")
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.[ch]*"))
+LIBRARY = "skiff_cpu_ops"
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _enabled = True
@@ -65,6 +68,16 @@ def build_dir() -> Path:
     for source in SOURCES:
         digest.update(source.read_bytes())
     return cache_root() / "cpu-kernels" / digest.hexdigest()[:16]
+
+
+def prebuilt_library() -> Path | None:
+    """The ops' library of these sources and this torch under `SKIFF_PREBUILT_DIR` (laid out
+    as the cache folder), if it holds one."""
+    root = os.environ.get("SKIFF_PREBUILT_DIR")
+    if not root:
+        return None
+    library = Path(root) / "cpu-kernels" / build_dir().name / f"{LIBRARY}.so"
+    return library if library.is_file() else None
 
 
 def load() -> bool:
@@ -130,10 +143,14 @@ def _build_and_load() -> bool:
     if shutil.which("ninja") is None:  # the `ninja` wheel puts it beside the interpreter
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     directory = build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)  # the linear choices live here either way
+    prebuilt = prebuilt_library()
+    if prebuilt is not None:
+        torch.ops.load_library(str(prebuilt))
+        return True
     try:
         cpp_extension.load(
-            name="skiff_cpu_ops",
+            name=LIBRARY,
             sources=[str(s) for s in SOURCES if s.suffix == ".cpp"],
             build_directory=str(directory),
             extra_cflags=["-O3", "-fopenmp"],
