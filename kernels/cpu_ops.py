@@ -146,7 +146,7 @@ def _build_and_load() -> bool:
     directory.mkdir(parents=True, exist_ok=True)  # the linear choices live here either way
     prebuilt = prebuilt_library()
     if prebuilt is not None:
-        torch.ops.load_library(str(prebuilt))
+        torch.ops.load_library(str(prebuilt))  # type: ignore[no-untyped-call]
         return True
     try:
         cpp_extension.load(
