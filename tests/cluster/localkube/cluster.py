@@ -403,11 +403,15 @@ def _ip(*args: str, check: bool = True) -> None:
 
 
 def _terminate(pid: int, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group of `pid`, SIGKILL after `grace_s`."""
+    """SIGTERM the process group of `pid`, SIGKILL after `grace_s`. A process this one started
+    is reaped as it exits: until then it is a zombie, still in its group, and the group would
+    seem alive for the whole grace (10 s for each of the cluster's processes)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):  # not this process's child
+            os.waitpid(pid, os.WNOHANG)
         try:
             os.killpg(pid, 0)
         except (ProcessLookupError, PermissionError):
