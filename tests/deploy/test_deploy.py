@@ -176,6 +176,14 @@ def env_vars_read_by(service: str) -> set[str]:
     return set(parser.env_vars)
 
 
+def env_vars_read_directly() -> set[str]:
+    """SKIFF_* variables that the code all services share reads from the environment itself,
+    not through a flag (the cache folder, the image's prebuilt CPU ops)."""
+    read = re.compile(r"""os\.environ(?:\.get\(|\[)["'](SKIFF_[A-Z0-9_]+)["']""")
+    sources = [p for d in ("kernels", "shared") for p in (ROOT / d).rglob("*.py")]
+    return {name for path in sources for name in read.findall(path.read_text())}
+
+
 SERVICES = ("gateway", "scheduler", "worker")
 # Which services each template's SKIFF_* variables reach (the helpers' go to all three).
 TEMPLATE_SERVICES = {
@@ -199,9 +207,11 @@ def test_templates_set_only_env_vars_the_services_read():
         for service in TEMPLATE_SERVICES[path.name]:
             unread = used - read[service]
             assert not unread, f"{path.name}: `skiff {service}` does not read {sorted(unread)}"
+    direct = env_vars_read_directly()
+    assert {"SKIFF_CACHE_DIR", "SKIFF_PREBUILT_DIR"} <= direct
     for service in SERVICES:
         text = (DOCKER / f"{service}.Dockerfile").read_text()
-        assert set(re.findall(r"\b(SKIFF_[A-Z0-9_]+)\b", text)) <= read[service]
+        assert set(re.findall(r"\b(SKIFF_[A-Z0-9_]+)\b", text)) <= read[service] | direct
 
 
 def test_worker_id_comes_from_the_pod_name():
