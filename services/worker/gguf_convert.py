@@ -53,6 +53,8 @@ def convert_gguf(gguf_path: Path, model_dir: Path, progress: bool = True) -> Non
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    # save_file writes 0600: the worker image's user reads a copy converted by root at build
+    os.chmod(tmp / "model.safetensors", 0o644)
     steps.update()
 
     config = model.config.to_dict()

@@ -255,6 +255,12 @@ def test_gateway_image_carries_the_embedded_tokenizer_files():
     assert "model.safetensors" in tokenizer_stage
 
 
+def test_every_file_of_the_converted_model_is_readable_by_any_user(smollm2_dir):
+    """The worker image converts the model as root at build and runs as another user."""
+    for path in smollm2_dir.iterdir():
+        assert path.stat().st_mode & 0o004, f"{path.name} is not readable by other users"
+
+
 def test_the_tokenizer_files_suffice_without_the_weights(tmp_path):
     """What the gateway image keeps of the converted model serves the gateway's Tokenizer."""
     from services.worker.gguf_convert import ensure_default_model
