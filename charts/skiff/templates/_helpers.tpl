@@ -106,24 +106,6 @@ global.imageRegistry when set, else the block's; the tag defaults to the chart's
   emptyDir: {}
 {{- end }}
 
-{{/* Init container: converts the embedded model (worker image) into
-/cache/skiff/models/SmolLM2-135M-Instruct, for pods that need its files but not torch. */}}
-{{- define "skiff.prepareModel" -}}
-- name: prepare-model
-  image: {{ include "skiff.image" (dict "ctx" . "image" .Values.worker.image) }}
-  imagePullPolicy: {{ .Values.worker.image.pullPolicy }}
-  command:
-    - python
-    - -c
-    - from services.worker.gguf_convert import ensure_default_model; ensure_default_model(progress=False)
-  securityContext:
-    {{- toYaml .Values.securityContext | nindent 4 }}
-  resources:
-    {{- include "skiff.resources" .Values.model.prepare.resources | nindent 4 }}
-  volumeMounts:
-    {{- include "skiff.scratchVolumeMounts" . | nindent 4 }}
-{{- end }}
-
 {{/* NATS users and TLS (values nats.auth, nats.tls). Users: admin, gateway, scheduler and one
 per worker pod, named by the pod; their permissions come from shared/nats_auth.py. */}}
 {{- define "skiff.natsAuthSecret" -}}
