@@ -217,6 +217,15 @@ def route_status(service: str, path: str) -> int:
     return int(status[0].split()[0])
 
 
+def test_a_worker_has_20_minutes_to_load_and_is_seen_loaded_within_2_s():
+    """A rolling upgrade waits for each new worker to be ready; its readiness is probed only
+    once the startup probe passed."""
+    (worker,) = [d for d in workloads(render(None)) if component(d) == "worker"]
+    probe = pod_spec(worker)["containers"][0]["startupProbe"]
+    assert probe["periodSeconds"] <= 2 and probe["timeoutSeconds"] <= probe["periodSeconds"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 20 * 60
+
+
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_services_have_probes_on_real_routes(case):
     required = {
