@@ -33,8 +33,8 @@ def default_model_dir() -> Path:
     """The converted default model: the image's (`prebuilt_root`) where it holds it prepared,
     else the cache folder's (converted there on first use)."""
     root = prebuilt_root()
-    if root is not None and is_prepared(root / "models" / DEFAULT_MODEL_NAME):
-        return root / "models" / DEFAULT_MODEL_NAME
+    if root is not None and is_prepared(prebuilt := root / "models" / DEFAULT_MODEL_NAME):
+        return prebuilt
     return cache_root() / "models" / DEFAULT_MODEL_NAME
 
 

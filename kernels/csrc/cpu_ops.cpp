@@ -553,6 +553,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+constexpr int64_t kLayerLoRA = 8;  // (lora_a, lora_b) of qkv, o, gate_up and down
+
 // One layer of decode_layers.
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& hidden,      // [B, H]
@@ -580,8 +582,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     at::TensorList lora,  // [] or 4 x (lora_a [S, n R, K], lora_b panels [S, P, R, 16])
     const std::optional<at::Tensor>& lora_slots) {  // [B] int32: each token's slot, -1: none
   TORCH_CHECK(*skiff_cpu::isa(), "decode_layers needs AVX2 or AVX-512");
-  TORCH_CHECK(lora.empty() || (lora.size() == 8 && lora_slots.has_value()),
-              "decode_layers: LoRA takes 8 tensors and the tokens' slots");
+  TORCH_CHECK(lora.empty() || (static_cast<int64_t>(lora.size()) == kLayerLoRA &&
+                                lora_slots.has_value()),
+              "decode_layers: LoRA takes ", kLayerLoRA, " tensors and the tokens' slots");
   for (const at::Tensor* t :
        {&hidden, &residual, &input_norm, &cos_sin, &key_cache, &value_cache, &post_norm}) {
     TORCH_CHECK(is_fp32_cpu(*t) && t->is_contiguous(),
@@ -652,7 +655,6 @@ enum LayerWeight : int64_t {
   kInputNorm, kQkv, kQkvBias, kQNorm, kKNorm, kO, kPostNorm, kGateUp, kDown,
   kQkvScale, kOScale, kGateUpScale, kDownScale, kLayerWeights
 };
-constexpr int64_t kLayerLoRA = 8;  // (lora_a, lora_b) of qkv, o, gate_up and down
 
 // decode_layer over every layer: one call per step instead of one per layer (the dispatcher
 // takes ~5 us a call from Python, ~4% of a single-stream q8_0 step over 30 layers).
@@ -667,9 +669,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   const auto layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == layers * kLayerWeights,
-              "decode_layers: a key cache, a value cache and 13 weights per layer");
+              "decode_layers: a key cache, a value cache and ", kLayerWeights,
+              " weights per layer");
   TORCH_CHECK(lora.empty() || static_cast<int64_t>(lora.size()) == layers * kLayerLoRA,
-              "decode_layers: LoRA takes 8 tensors per layer");
+              "decode_layers: LoRA takes ", kLayerLoRA, " tensors per layer");
   at::Tensor h = hidden, r = residual;
   for (int64_t l = 0; l < layers; ++l) {
     auto weight = [&](LayerWeight i) -> std::optional<at::Tensor> {
