@@ -147,8 +147,16 @@ def test_stop_token_ids(client, info):
 
 
 def test_logprobs_and_prompt_logprobs(client, sim_stack):
+    # Seeded: the completions API keys top_logprobs by token text, and the simulated worker's
+    # alternatives are random token ids, two of which may decode to the same text (e.g. "\ufffd"
+    # for partial UTF-8 bytes): an unseeded request failed here once in a full run.
     got = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=3, extra_body={"ignore_eos": True}
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=4,
+        logprobs=3,
+        seed=3,
+        extra_body={"ignore_eos": True},
     )
     lp = got.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 4
